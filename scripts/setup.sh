@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Set up a fresh machine: bubblewrap from apt, a virtual environment in .venv, tandem and its dependencies.
+# Idempotent: a second run only checks. Needs Python 3.11 and (for apt) root or sudo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v bwrap >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q bubblewrap
+fi
+
+PY="${PYTHON:-python3.11}"
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import tandem, torch, transformers, ray" >/dev/null 2>&1 \
+   || [ pyproject.toml -nt .venv/.tandem-installed ]; then
+  .venv/bin/pip install -q --upgrade pip
+  # torch first and pinned, so pip takes the CPU build that lies on this machine's disk.
+  .venv/bin/pip install -q torch==2.13.0
+  .venv/bin/pip install -q -e ".[dev]"
+  touch .venv/.tandem-installed
+fi
+echo "setup: ok ($(.venv/bin/python -c 'import torch, transformers, ray; print("torch", torch.__version__, "transformers", transformers.__version__, "ray", ray.__version__)'))"

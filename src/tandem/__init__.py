@@ -1,0 +1,3 @@
+"""tandem: asynchronous reinforcement learning for tool-using coding agents."""
+
+__version__ = "0.1.0"

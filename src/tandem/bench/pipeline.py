@@ -1,0 +1,51 @@
+"""`tandem bench pipeline`: the same config in sync and async mode for the same wall-clock budget.
+
+Invariant: both modes run one after the other with identical config except ``orchestrator.mode``, identical
+time budget, and the same held-out evaluation of their final models; the JSON reports what each measured.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tandem.core.config import RunConfig
+
+
+def run(cfg: RunConfig, budget_s: float = 150.0, run_root: Path | None = None) -> dict[str, Any]:
+    import ray
+
+    from tandem.orchestrator import eval_model, train
+
+    root = Path(run_root or tempfile.mkdtemp(prefix="tandem-bench-pipeline-"))
+    out: dict[str, Any] = {"budget_s": budget_s, "run_dir": str(root)}
+    for mode in ("sync", "async"):
+        c = cfg.model_copy(deep=True)
+        c.orchestrator.mode = mode
+        c.orchestrator.steps = 10_000
+        c.orchestrator.time_budget_s = budget_s
+        c.eval.before_after = False
+        c.train.checkpoint_every = 0
+        res = train(c, root / mode, quiet=False)
+        ev = eval_model(c, str(root / mode / "final_model"))
+        entry = {
+            "samples_per_s": round(res.samples_per_s, 4),
+            "trainer_busy": round(res.trainer_busy, 4),
+            "engine_busy": round(res.engine_busy, 4),
+            "heldout_pass1": round(ev["pass@1"], 4),
+            "steps": res.steps,
+            "samples": res.samples,
+        }
+        if mode == "async":
+            entry["staleness_hist"] = res.staleness_hist
+        out[mode] = entry
+    if ray.is_initialized():
+        ray.shutdown()
+    out["speedup"] = round(out["async"]["samples_per_s"] / max(out["sync"]["samples_per_s"], 1e-9), 4)
+    out["targets"] = {
+        "speedup>=1.8": out["speedup"] >= 1.8,
+        "async_trainer_busy>=0.85": out["async"]["trainer_busy"] >= 0.85,
+        "async_pass1>=sync-0.05": out["async"]["heldout_pass1"] >= out["sync"]["heldout_pass1"] - 0.05,
+    }
+    return out

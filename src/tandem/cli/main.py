@@ -1,0 +1,198 @@
+"""The `tandem` command: train, midtrain, eval, sandbox, bench.
+
+Invariant: every user error (bad config, missing model, bad flag value) exits with status 2 and one message
+naming the field or value and what to do; no traceback for errors tandem raises on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from tandem.core.config import RunConfig, load_config
+from tandem.core.errors import TandemError
+
+app = typer.Typer(
+    help="tandem: asynchronous RL for tool-using coding agents.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+bench_app = typer.Typer(help="Benchmarks: each prints one JSON object with --json.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+PRESETS = {"default": "default.toml", "smoke": "smoke.toml"}
+
+
+def fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def resolve_model_path(path: str) -> str:
+    """Relative model paths resolve against the working directory first, then the repository root."""
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        return str(p.resolve()) if p.exists() else str(p)
+    candidate = REPO_ROOT / p
+    return str(candidate) if candidate.exists() else str(p)
+
+
+def build_config(preset: str | None, config: Path | None, overrides: list[str] | None) -> RunConfig:
+    base_path = None
+    if preset is not None:
+        if preset not in PRESETS:
+            fail(f"--preset {preset!r} is unknown; choose one of {', '.join(PRESETS)}")
+        base_path = REPO_ROOT / "configs" / PRESETS[preset]
+    try:
+        cfg = load_config(base_path, overrides) if config is None else load_config(config, overrides)
+        if config is not None and base_path is not None:
+            fail("pass either --preset or --config, not both")
+    except TandemError as e:
+        fail(str(e))
+    cfg.model.path = resolve_model_path(cfg.model.path)
+    return cfg
+
+
+def check_model_path(path: str) -> None:
+    p = Path(path)
+    if not p.is_dir() or not (p / "config.json").is_file():
+        fail(
+            f"model path {path!r} is not a model directory (needs config.json and tokenizer files); "
+            f"pass --set model.path=DIR or build one with `tandem midtrain`"
+        )
+
+
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config field: key=value.")]
+PresetOpt = Annotated[str | None, typer.Option(help="Config preset: default | smoke.")]
+ConfigOpt = Annotated[Path | None, typer.Option(help="A run config TOML file.")]
+
+
+@app.command()
+def train(
+    preset: PresetOpt = None,
+    config: ConfigOpt = None,
+    run_dir: Annotated[Path, typer.Option(help="Directory for metrics, checkpoints and the report.")] = Path(
+        "runs/default"
+    ),
+    set_: SetOpt = None,
+    resume: Annotated[bool, typer.Option(help="Continue from the latest checkpoint in --run-dir.")] = False,
+    ray_address: Annotated[str | None, typer.Option(help="Join this Ray cluster.")] = None,
+) -> None:
+    """Run RL training (async by default) and write metrics, checkpoints and report.md to --run-dir."""
+    if preset is None and config is None:
+        preset = "default"
+    overrides = list(set_ or [])
+    if ray_address:
+        overrides.append(f'orchestrator.ray_address="{ray_address}"')
+    cfg = build_config(preset, config, overrides)
+    check_model_path(cfg.model.path)
+    from tandem.orchestrator import train as run_train
+
+    try:
+        result = run_train(cfg, run_dir, resume=resume)
+    except (TandemError, FileNotFoundError) as e:
+        fail(str(e))
+    typer.echo(f"report: {run_dir / 'report.md'}")
+    if result.eval_before and result.eval_after:
+        typer.echo(
+            f"held-out pass@1: {result.eval_before['pass@1']:.3f} -> {result.eval_after['pass@1']:.3f}"
+        )
+
+
+@app.command("eval")
+def eval_(
+    model: Annotated[str, typer.Option(help="Model directory to evaluate.")] = "models/tandem-base",
+    split: Annotated[str, typer.Option(help="heldout | train")] = "heldout",
+    k: Annotated[list[int] | None, typer.Option(help="Report pass@k (repeatable); default 1.")] = None,
+    samples: Annotated[
+        int | None, typer.Option(help="Samples per task (default eval.samples_per_task).")
+    ] = None,
+    n_tasks: Annotated[int | None, typer.Option(help="Number of tasks (default tasks.heldout_size).")] = None,
+    preset: PresetOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Evaluate a model on the held-out split: pass@1 (and pass@k)."""
+    cfg = build_config(preset if preset or config else "default", config, set_)
+    model_path = resolve_model_path(model)
+    check_model_path(model_path)
+    ks = tuple(sorted(set(k or [1])))
+    if any(x < 1 for x in ks):
+        fail(f"--k must be >= 1, got {ks}")
+    from tandem.orchestrator import eval_model
+
+    try:
+        result = eval_model(cfg, model_path, split, samples, ks, n_tasks)
+    except (TandemError, ValueError) as e:
+        fail(str(e))
+    if json_:
+        typer.echo(json.dumps(result))
+    else:
+        for key in sorted(result):
+            typer.echo(f"{key}: {result[key]}")
+
+
+@bench_app.command("pipeline")
+def bench_pipeline(
+    budget_s: Annotated[float, typer.Option(help="Wall-clock training budget per mode, seconds.")] = 150.0,
+    preset: PresetOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    run_root: Annotated[Path | None, typer.Option(help="Where to keep both runs.")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Sync vs async for the same wall-clock budget: samples/s, busy fractions, held-out pass@1."""
+    cfg = build_config(preset if preset or config else "default", config, set_)
+    check_model_path(cfg.model.path)
+    from tandem.bench.pipeline import run
+
+    out = run(cfg, budget_s, run_root)
+    typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
+
+
+@bench_app.command("engine")
+def bench_engine(
+    model: Annotated[
+        str | None, typer.Option(help="Model directory (default: the shipped base model).")
+    ] = None,
+    batch: Annotated[int, typer.Option(help="Prompts per batch.")] = 16,
+    new_tokens: Annotated[int, typer.Option(help="New tokens per prompt.")] = 64,
+    prompt_len: Annotated[int, typer.Option(help="Prompt length in tokens.")] = 64,
+    threads: Annotated[int, typer.Option(help="Torch threads.")] = 2,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Built-in engine vs transformers `model.generate`: same model, prompts and lengths."""
+    from tandem.bench.engine import run
+
+    path = resolve_model_path(model or "models/tandem-base")
+    if model is not None or Path(path).is_dir():
+        check_model_path(path)
+    else:
+        path = None
+    out = run(path, batch=batch, new_tokens=new_tokens, prompt_len=prompt_len, threads=threads)
+    typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
+
+
+def _mount_subcommands() -> None:
+    from tandem.cli import midtrain as midtrain_cli
+    from tandem.cli import sandbox as sandbox_cli
+
+    app.add_typer(sandbox_cli.app, name="sandbox")
+    app.command("midtrain")(midtrain_cli.midtrain_command)
+
+
+_mount_subcommands()
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

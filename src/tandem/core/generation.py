@@ -1,0 +1,64 @@
+"""Generation requests and completions: what rollout workers send to engines and get back.
+
+Invariants: ``Completion.token_ids``, ``logprobs`` and ``versions`` have equal length; ``versions[i]`` is the
+policy version whose weights sampled token ``i`` (a session can span a weight update); ``logprobs[i]`` is the
+sampler's log-probability of token ``i`` under the distribution it actually sampled from (after temperature
+and top-p), so the trainer can compare it with its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one completion."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class GenerationRequest:
+    """A prompt given as exact token ids plus sampling parameters."""
+
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str = ""
+
+
+@dataclass
+class Completion:
+    """Sampled token ids with their sampler logprobs and per-token policy versions."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # "stop" | "length" | "error"
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class ChatFormat(Protocol):
+    """Turns messages into exact token ids and sampled tokens back into messages (see tandem.model).
+
+    ``render_prompt`` returns the ids of the whole conversation so far ending with the assistant header.
+    ``render_continuation`` returns the ids to append after a finished assistant turn for the given new
+    (tool or user) messages, ending with the next assistant header. ``parse_assistant`` returns the text and
+    the tool calls of one sampled assistant turn plus a list of parse errors (malformed calls).
+    """
+
+    stop_token_ids: list[int]
+
+    def render_prompt(self, messages: list[Any], tools: list[dict[str, Any]]) -> list[int]: ...
+
+    def render_continuation(self, messages: list[Any]) -> list[int]: ...
+
+    def parse_assistant(self, token_ids: list[int]) -> tuple[str, list[dict[str, Any]], list[str]]: ...

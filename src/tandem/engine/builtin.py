@@ -1,0 +1,382 @@
+"""The built-in inference engine: a transformers model, a slot KV cache and continuous batching.
+
+Invariants:
+- One background thread (the loop) owns the model and the cache. Between two decode steps it applies pending
+  weight updates, admits queued requests (prefill, first token) and retires finished sessions; a decode step
+  then advances every active session by one token in one batched forward.
+- ``Completion.versions[i]`` is the engine version when token ``i`` was sampled: a session started on ``v``
+  continues on ``v+1`` after an update, and its tokens say which version made them.
+- ``logprobs`` follow ``tandem.engine.sampling`` (distribution actually sampled from; 0.0 for greedy).
+- Each session samples from its own ``torch.Generator``: the request's seed if given, else one derived from
+  the engine seed and the request's submission number, so runs are reproducible.
+- A bad request (empty or out-of-vocabulary prompt, prompt longer than the cache, bad parameters) gets
+  ``Completion(finish_reason="error")``; nothing a caller sends stops the loop. Prompt + new tokens are
+  clamped to ``max_seq_len`` (finish_reason "length" when the cache fills).
+- ``update_weights`` validates every name and shape before touching anything (EngineError, state unchanged),
+  then the loop copies the tensors into the HF parameters in place and refreshes derived buffers.
+- The engine never changes global torch settings (threads are the caller's job).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from tandem.core.config import EngineConfig
+from tandem.core.errors import EngineError, ModelLoadError
+from tandem.core.generation import Completion, GenerationRequest
+from tandem.engine.runner import FastRunner, HFRunner, fast_supported
+from tandem.engine.sampling import UniformStream, sample
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_PREFILL_TOKEN_BUDGET = 4096  # padded prompt tokens per prefill batch
+
+
+@dataclass
+class _Session:
+    request: GenerationRequest
+    future: Future
+    rng: UniformStream
+    max_new: int
+    stop: frozenset[int]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Pending:
+    request: GenerationRequest
+    future: Future
+    number: int
+
+
+@dataclass
+class _Update:
+    version: int
+    tensors: dict[str, torch.Tensor]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+def _resolve(fut: Future, completion: Completion) -> None:
+    try:
+        fut.set_result(completion)
+    except InvalidStateError:  # cancelled by the caller
+        pass
+
+
+def _error(msg: str) -> Completion:
+    return Completion([], [], [], "error", msg)
+
+
+class BuiltinEngine:
+    """Continuous-batching engine over a HF causal LM (see module docstring)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        config: EngineConfig,
+        *,
+        version: int = 0,
+        seed: int = 0,
+        dtype: str = "float32",
+    ) -> None:
+        if dtype not in _DTYPES:
+            raise EngineError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        self.config = config
+        self.model = model.to(_DTYPES[dtype]).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.seed = seed
+        self._version = version
+        reason = fast_supported(self.model)
+        runner_cls = FastRunner if reason is None else HFRunner
+        self.fallback_reason = reason
+        with torch.inference_mode():
+            self._runner = runner_cls(self.model, config.max_batch, config.max_seq_len)
+        self._targets = dict(self.model.state_dict(keep_vars=True))
+        self._cv = threading.Condition()
+        self._work = threading.Lock()  # held while the model or the cache is used
+        self._queue: collections.deque[_Pending] = collections.deque()
+        self._updates: list[_Update] = []
+        self._active: list[_Session] = []  # index == slot
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._stopped = False
+        self._submitted = 0
+        self._t0 = time.monotonic()
+        self._stats = {"busy_s": 0.0, "tokens_generated": 0, "prefill_tokens": 0, "steps": 0}
+
+    @classmethod
+    def from_path(
+        cls, path: str | Path, config: EngineConfig, *, dtype: str = "float32", seed: int = 0
+    ) -> BuiltinEngine:
+        from transformers import AutoModelForCausalLM
+
+        p = Path(path)
+        if not p.is_dir():
+            raise ModelLoadError(f"model path {p} is not a directory; pass a local HF model directory")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - any loader failure is a bad path for the caller
+            raise ModelLoadError(f"could not load a causal LM from {p}: {e}") from e
+        return cls(model, config, dtype=dtype, seed=seed)
+
+    # ---- public API ------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def start(self) -> None:
+        with self._cv:
+            if self._running:
+                return
+            self._running, self._stopped = True, False
+            self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            if not self._running:
+                self._stopped = True
+                pending, self._queue = list(self._queue), collections.deque()
+            else:
+                self._running = False
+                self._cv.notify_all()
+                pending = []
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._cv:
+            self._stopped = True
+            self._thread = None
+            pending += list(self._queue)
+            self._queue.clear()
+            sessions, self._active = self._active, []
+            updates, self._updates = self._updates, []
+        for item in [*pending, *sessions]:
+            _resolve(item.future, _error("engine stopped"))
+        for u in updates:
+            u.error = EngineError("engine stopped before the weight update was applied")
+            u.done.set()
+
+    def submit(self, request: GenerationRequest) -> Future:
+        """Queue one request; the future resolves to its Completion. Starts the loop if never started."""
+        fut: Future = Future()
+        with self._cv:
+            if self._stopped:
+                _resolve(fut, _error("engine stopped; call start() to serve again"))
+                return fut
+            self._queue.append(_Pending(request, fut, self._submitted))
+            self._submitted += 1
+            self._cv.notify_all()
+            start = not self._running
+        if start:
+            self.start()
+        return fut
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        futures = [self.submit(r) for r in requests]
+        return [f.result() for f in futures]
+
+    def update_weights(self, version: int, tensors: dict[str, np.ndarray | torch.Tensor]) -> None:
+        """Copy ``tensors`` into the parameters between decode steps; later tokens carry ``version``."""
+        converted: dict[str, torch.Tensor] = {}
+        for name, value in tensors.items():
+            target = self._targets.get(name)
+            if target is None:
+                raise EngineError(
+                    f"update_weights: unknown tensor {name!r}; names are the model's state_dict keys"
+                )
+            try:
+                t = torch.as_tensor(np.ascontiguousarray(value) if isinstance(value, np.ndarray) else value)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise EngineError(f"update_weights: tensor {name!r} is not a numeric array ({e})") from e
+            if tuple(t.shape) != tuple(target.shape):
+                raise EngineError(
+                    f"update_weights: tensor {name!r} has shape {tuple(t.shape)}, the model expects "
+                    f"{tuple(target.shape)}; nothing was applied"
+                )
+            converted[name] = t
+        update = _Update(int(version), converted)
+        with self._cv:
+            if self._running:
+                self._updates.append(update)
+                self._cv.notify_all()
+                queued = True
+            else:
+                queued = False
+        if not queued:
+            with self._work:  # no loop iteration in progress: nobody else touches the model
+                self._apply(update)
+        update.done.wait()
+        if update.error is not None:
+            raise update.error
+
+    def health(self) -> dict[str, Any]:
+        with self._cv:
+            return {
+                "ok": not self._stopped,
+                "version": self._version,
+                "active": len(self._active),
+                "queued": len(self._queue),
+            }
+
+    def stats(self) -> dict[str, Any]:
+        with self._cv:
+            return {**self._stats, "uptime_s": time.monotonic() - self._t0}
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while self._running and not (self._queue or self._updates or self._active):
+                    self._cv.wait()
+                if not self._running:
+                    return
+                updates, self._updates = self._updates, []
+                n_free = self.config.max_batch - len(self._active)
+                admitted = [self._queue.popleft() for _ in range(min(n_free, len(self._queue)))]
+            t0 = time.perf_counter()
+            try:
+                with self._work:
+                    for u in updates:
+                        self._apply(u)
+                    with torch.inference_mode():
+                        self._admit(admitted)
+                        if self._active:
+                            self._step()
+            except Exception as e:  # noqa: BLE001 - a bug must not kill the engine; fail the sessions instead
+                self._fail_active(f"engine error: {type(e).__name__}: {e}")
+            with self._cv:
+                self._stats["busy_s"] += time.perf_counter() - t0
+
+    def _apply(self, u: _Update) -> None:
+        try:
+            with torch.no_grad():
+                for name, t in u.tensors.items():
+                    self._targets[name].copy_(t)
+                self._runner.refresh()
+            self._version = u.version
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            u.error = EngineError(f"update_weights to version {u.version} failed: {e}")
+        finally:
+            u.done.set()
+
+    def _check(self, req: GenerationRequest) -> str | int:
+        """Error message, or the number of new tokens this request may sample."""
+        ids, sp = req.prompt_ids, req.params
+        if len(ids) == 0:
+            return "empty prompt: prompt_ids must hold at least one token id"
+        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < self.vocab_size]
+        if bad:
+            return f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
+        room = self.config.max_seq_len - len(ids)
+        if room < 1:
+            return (
+                f"prompt of {len(ids)} tokens leaves no room in max_seq_len={self.config.max_seq_len}; "
+                "shorten the prompt or raise engine.max_seq_len"
+            )
+        if sp.max_new_tokens < 1:
+            return f"max_new_tokens={sp.max_new_tokens} must be >= 1"
+        if sp.temperature < 0:
+            return f"temperature={sp.temperature} must be >= 0 (0 is greedy)"
+        if not 0.0 < sp.top_p <= 1.0:
+            return f"top_p={sp.top_p} must be in (0, 1]"
+        return min(sp.max_new_tokens, room)
+
+    def _admit(self, admitted: list[_Pending]) -> None:
+        fresh: list[_Session] = []
+        for item in admitted:
+            check = self._check(item.request)
+            if isinstance(check, str):
+                _resolve(item.future, _error(check))
+                continue
+            sp = item.request.params
+            seed = sp.seed if sp.seed is not None else self.seed * 1_000_003 + item.number
+            stop = frozenset(sp.stop_token_ids)
+            fresh.append(_Session(item.request, item.future, UniformStream(seed), check, stop))
+        i = 0
+        while i < len(fresh):  # batches under a padded-token budget, at least one prompt each
+            j, longest = i, 0
+            while j < len(fresh):
+                longest2 = max(longest, len(fresh[j].request.prompt_ids))
+                if j > i and longest2 * (j - i + 1) > _PREFILL_TOKEN_BUDGET:
+                    break
+                longest, j = longest2, j + 1
+            batch = fresh[i:j]
+            first = len(self._active)
+            try:
+                logits = self._runner.prefill(first, [s.request.prompt_ids for s in batch])
+            except Exception as e:  # noqa: BLE001 - fail these sessions, keep the others
+                for k in range(len(batch)):
+                    self._runner.release(first + k)
+                for s in batch:
+                    _resolve(s.future, _error(f"prefill failed: {type(e).__name__}: {e}"))
+                i = j
+                continue
+            self._active.extend(batch)
+            with self._cv:
+                self._stats["prefill_tokens"] += sum(len(s.request.prompt_ids) for s in batch)
+            self._sample_and_retire(logits, first)
+            i = j
+
+    def _step(self) -> None:
+        last = torch.tensor([s.tokens[-1] for s in self._active])
+        logits = self._runner.decode(last)
+        with self._cv:
+            self._stats["steps"] += 1
+        self._sample_and_retire(logits, 0)
+
+    def _sample_and_retire(self, logits: torch.Tensor, first: int) -> None:
+        """Sample for sessions ``first..first+len(logits)-1``, record tokens, retire finished ones."""
+        sessions = self._active[first : first + logits.shape[0]]
+        temps = torch.tensor([s.request.params.temperature for s in sessions], dtype=torch.float32)
+        top_p = torch.tensor([s.request.params.top_p for s in sessions], dtype=torch.float32)
+        us = torch.tensor([s.rng.next() if s.request.params.temperature > 0 else 1.0 for s in sessions])
+        tokens, lps = sample(logits, temps, top_p, us)
+        version = self._version
+        finished: list[int] = []
+        for k, (s, tok, lp) in enumerate(zip(sessions, tokens.tolist(), lps.tolist(), strict=True)):
+            s.tokens.append(tok)
+            s.logprobs.append(lp)
+            s.versions.append(version)
+            if tok in s.stop or len(s.tokens) >= s.max_new:
+                finished.append(first + k)
+        with self._cv:
+            self._stats["tokens_generated"] += len(sessions)
+        for slot in sorted(finished, reverse=True):
+            s = self._active[slot]
+            reason = "stop" if s.tokens[-1] in s.stop else "length"
+            _resolve(s.future, Completion(s.tokens, s.logprobs, s.versions, reason))
+            self._remove(slot)
+
+    def _remove(self, slot: int) -> None:
+        """Drop the session in ``slot``, moving the last session into it so slots stay contiguous."""
+        last = len(self._active) - 1
+        if slot != last:
+            self._runner.move(last, slot)
+            self._active[slot] = self._active[last]
+        else:
+            self._runner.release(slot)
+        self._active.pop()
+
+    def _fail_active(self, msg: str) -> None:
+        sessions, self._active = self._active, []
+        for slot in range(len(sessions)):
+            self._runner.release(slot)
+        for s in sessions:
+            _resolve(s.future, _error(msg))

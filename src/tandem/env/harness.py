@@ -1,0 +1,146 @@
+"""The agent harness: one multi-turn tool-calling session of a task, token-exact.
+
+Invariants:
+- The trajectory's token ids are exactly the ids the engine consumed and produced: the prompt and every
+  observation are rendered once by the chat format and appended; sampled turns are appended as sampled.
+  Nothing is ever re-tokenized.
+- ``loss_mask`` is 1 only on sampled tokens; observations and prompts carry NaN logprobs and version -1.
+- A malformed tool call, a missing tool call, a failing tool or an engine error never raises: it becomes an
+  error observation (or ends the session) and a counted statistic. The sandbox is always closed.
+- Scoring happens in a fresh sandbox on a snapshot of the agent's workspace (see ``tandem.env.reward``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from tandem.core.config import RewardConfig, SandboxConfig
+from tandem.core.generation import ChatFormat, Completion, GenerationRequest, SamplingParams
+from tandem.core.records import Message, Reward, SegmentBuilder, Task, Trajectory
+
+GenerateFn = Callable[[GenerationRequest], Awaitable[Completion]]
+
+NO_TOOL_CALL = "error: your reply contained no tool call; reply with a <tool_call> (for example submit)"
+
+
+async def run_session(
+    task: Task,
+    generate: GenerateFn,
+    chat: ChatFormat,
+    sampling: SamplingParams,
+    sandbox_config: SandboxConfig,
+    reward_config: RewardConfig,
+    tools: list[dict[str, Any]] | None = None,
+) -> Trajectory:
+    """Run one session of ``task`` against ``generate`` and score it; never raises for agent behaviour."""
+    from tandem.env.reward import score
+    from tandem.env.tasks import TOOLS
+    from tandem.env.tools import execute_tool
+    from tandem.sandbox import create_sandbox
+
+    tools = TOOLS if tools is None else tools
+    limits = task.limits
+    started = time.monotonic()
+    stats = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "malformed_calls": 0, "no_tool_call": 0}
+    flags = {"submitted": False, "truncated": False, "engine_error": False, "sandbox_error": False}
+    timings = {"generate_s": 0.0, "tools_s": 0.0, "score_s": 0.0}
+    messages: list[Message] = list(task.prompt)
+    builder = SegmentBuilder()
+    builder.add_context(chat.render_prompt(task.prompt, tools))
+    files: dict[str, str] = dict(task.workspace)
+
+    try:
+        sandbox = await asyncio.to_thread(create_sandbox, task.workspace, sandbox_config)
+    except Exception as e:  # noqa: BLE001 - a sandbox failure ends this session, not the run
+        flags["sandbox_error"] = True
+        messages.append(Message("tool", f"sandbox error: {e}"))
+        sandbox = None
+
+    try:
+        while sandbox is not None:
+            if stats["turns"] >= limits.max_turns:
+                flags["truncated"] = True
+                break
+            budget = limits.max_tokens - len(builder)
+            if budget <= 0 or time.monotonic() - started > limits.wall_time_s:
+                flags["truncated"] = True
+                break
+            params = dataclasses.replace(
+                sampling,
+                max_new_tokens=min(sampling.max_new_tokens, budget),
+                stop_token_ids=list(chat.stop_token_ids),
+            )
+            t0 = time.monotonic()
+            completion = await generate(GenerationRequest(list(builder.ids), params, task.id))
+            timings["generate_s"] += time.monotonic() - t0
+            if completion.finish_reason == "error":
+                flags["engine_error"] = True
+                break
+            builder.add_sampled(completion.token_ids, completion.logprobs, completion.versions)
+            stats["turns"] += 1
+            text, calls, errors = chat.parse_assistant(completion.token_ids)
+            messages.append(Message("assistant", text, calls))
+            if completion.finish_reason != "stop":
+                # The turn was cut before its end token: the context cannot continue token-exactly.
+                flags["truncated"] = True
+                break
+            observations: list[Message] = []
+            for err in errors:
+                stats["malformed_calls"] += 1
+                observations.append(Message("tool", f"error: {err}"))
+            if not calls and not errors:
+                stats["no_tool_call"] += 1
+                observations.append(Message("tool", NO_TOOL_CALL))
+            t0 = time.monotonic()
+            for call in calls:
+                stats["tool_calls"] += 1
+                result = await asyncio.to_thread(execute_tool, sandbox, task, call)
+                if result.error:
+                    stats["tool_errors"] += 1
+                observations.append(Message("tool", result.content, name=str(call.get("name", ""))))
+                if result.submitted:
+                    flags["submitted"] = True
+                    break
+            timings["tools_s"] += time.monotonic() - t0
+            messages.extend(observations)
+            if flags["submitted"]:
+                break
+            continuation = chat.render_continuation(observations)
+            if len(builder) + len(continuation) >= limits.max_tokens:
+                flags["truncated"] = True
+                break
+            builder.add_context(continuation)
+        if sandbox is not None:
+            files = await asyncio.to_thread(sandbox.snapshot)
+    finally:
+        if sandbox is not None:
+            await asyncio.to_thread(sandbox.close)
+
+    t0 = time.monotonic()
+    if flags["engine_error"] or flags["sandbox_error"]:
+        reward = Reward(0.0, {"engine_error": float(flags["engine_error"])})
+    else:
+        reward = await asyncio.to_thread(
+            score,
+            task,
+            files,
+            reward_config,
+            sandbox_config,
+            stats["malformed_calls"] + stats["no_tool_call"],
+            flags["truncated"],
+        )
+    timings["score_s"] = time.monotonic() - t0
+    timings["total_s"] = time.monotonic() - started
+    return Trajectory(
+        task_id=task.id,
+        segments=[builder.build()],
+        reward=reward,
+        flags=flags,
+        timings=timings,
+        tool_stats=stats,
+        messages=messages,
+    )

@@ -1,0 +1,304 @@
+"""Built-in tasks: procedurally generated Python function-writing exercises at three difficulty levels.
+
+Each instance (of a family in ``tandem.env.families``) asks for one function ``name(args)`` in
+``solution.py``; the agent sees a stub and 2 visible tests (``test_solution.py``); 6-10 hidden tests
+(edge cases included) run only when scoring.
+
+Invariants:
+- Generation is a pure function of ``(split, seed, level, index)``: ``get_task(task.id)`` rebuilds the same
+  task, byte for byte, in any process.
+- Train and held-out splits are disjoint by construction, for every seed: an instance's split is decided by
+  a hash of its content signature (family, parameters, function name), which does not involve the seed.
+- ``meta["solution"]`` passes every hidden test; every entry of ``meta["bugs"]`` fails at least one (bug
+  templates that happen to be correct for an instance's parameters are dropped at generation time).
+- Test files print ``PASS <call>`` / ``FAIL <call>: <detail>`` per test and a last line
+  ``RESULT passed=P total=N``; they exit 0 only when all pass; an import failure of solution.py fails all.
+  They import nothing but ``sys`` and ``solution`` so workspace files cannot shadow what the runner uses.
+- Everything is short: a whole expert session fits in about 1400 characters (a 1024-token context).
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import hashlib
+import io
+import random
+import types
+from typing import Any
+
+from tandem.core.config import TaskConfig
+from tandem.core.records import Message, Task, TaskLimits
+from tandem.env.families import FAMILIES_BY_LEVEL, LEVELS, NOUNS, VERBS, Args, Family
+
+SYSTEM_PROMPT = (
+    "You are a coding agent. Tools: read_file(path), write_file(path, content), run(command), "
+    "run_tests(), submit(). Call one tool per turn."
+)
+
+
+def _tool(name: str, desc: str, **props: str) -> dict[str, Any]:
+    params = {
+        "type": "object",
+        "properties": {k: {"type": "string", "description": v} for k, v in props.items()},
+    }
+    params["required"] = list(props)
+    params["additionalProperties"] = False
+    return {"type": "function", "function": {"name": name, "description": desc, "parameters": params}}
+
+
+TOOLS: list[dict[str, Any]] = [
+    _tool("read_file", "Read a workspace file.", path="relative path"),
+    _tool("write_file", "Write a workspace file.", path="relative path", content="full new content"),
+    _tool("run", "Run a bash command in the workspace.", command="bash command"),
+    _tool("run_tests", "Run the visible tests."),
+    _tool("submit", "Submit the workspace for scoring; ends the session."),
+]
+
+SOLUTION_FILE = "solution.py"
+VISIBLE_TEST_FILE = "test_solution.py"
+HIDDEN_TEST_FILE = "_hidden_test.py"
+HELDOUT_FRACTION = 0.2
+N_VISIBLE = 2
+N_HIDDEN = 8
+MAX_VISIBLE_ARGS_CHARS = 20
+
+
+RUNNER = """p = 0
+try:
+    import solution
+    err = None
+except BaseException as e:
+    err = f"{type(e).__name__}: {e}"
+    print(f"FAIL import solution: {err}"[:160])
+for c, w in C:
+    if err:
+        break
+    try:
+        g = eval(c, vars(solution))
+        ok = type(g) is type(w) and g == w
+        d = f"got {g!r}, want {w!r}"
+    except BaseException as e:
+        ok, d = False, f"{type(e).__name__}: {e}"
+    p += ok
+    print(f"PASS {c}" if ok else f"FAIL {c}: {d}"[:160])
+print(f"RESULT passed={p} total={len(C)}")
+sys.exit(0 if p == len(C) else 1)
+"""
+
+
+def _function_source(name: str, args: str, body: str, doc: str | None = None) -> str:
+    lines = [f"def {name}({args}):"]
+    if doc is not None:
+        lines.append(f'    """{doc}"""')
+    lines += ["    " + ln for ln in body.split("\n")]
+    return "\n".join(lines) + "\n"
+
+
+def _call(name: str, args: Args) -> str:
+    return f"{name}({', '.join(repr(a) for a in args)})"
+
+
+def _outputs(source: str, name: str, cases: list[Args]) -> list[Any]:
+    """Outputs of ``name`` from ``source`` per case, or a unique failure marker where it raises."""
+    ns: dict[str, Any] = {}
+    exec(_compile(source, SOLUTION_FILE), ns)
+    out: list[Any] = []
+    for a in cases:
+        try:
+            out.append(ns[name](*[_copy(x) for x in a]))
+        except Exception as e:  # noqa: BLE001 - a raising bug variant simply fails that case
+            out.append(("<raised>", type(e).__name__))
+    return out
+
+
+def _copy(x: Any) -> Any:
+    return list(x) if isinstance(x, list) else x
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b
+
+
+def test_file(cases: list[tuple[str, Any]]) -> str:
+    """The source of a test file over ``(call, expected)`` pairs (the runner of the module docstring)."""
+    rows = "".join(f"    ({c!r}, {w!r}),\n" for c, w in cases)
+    return f"import sys\n\nC = [\n{rows}]\n{RUNNER}"
+
+
+def signature(family: Family, params: dict[str, Any], name: str) -> str:
+    return f"{family.name}|{sorted(params.items())}|{name}"
+
+
+def split_of(sig: str) -> str:
+    """``heldout`` for about HELDOUT_FRACTION of signatures, else ``train``; independent of the seed."""
+    h = int.from_bytes(hashlib.sha256(sig.encode()).digest()[:8], "big")
+    return "heldout" if h / 2**64 < HELDOUT_FRACTION else "train"
+
+
+@functools.lru_cache(maxsize=4096)
+def _compile(source: str, filename: str) -> types.CodeType:
+    return compile(source, filename, "exec")
+
+
+_DEFAULT_TASK_CONFIG = TaskConfig()
+
+
+def default_limits(config: TaskConfig | None = None) -> TaskLimits:
+    """Session limits of a task from the run's task config (defaults when None)."""
+    c = config or _DEFAULT_TASK_CONFIG
+    return TaskLimits(max_turns=c.max_turns, max_tokens=c.max_tokens, wall_time_s=c.wall_time_s)
+
+
+def task_id(split: str, seed: int, level: int, index: int) -> str:
+    return f"builtin:{split}:s{seed}:l{level}:{index}"
+
+
+def generate_task(split: str, index: int, seed: int, level: int, limits: TaskLimits | None = None) -> Task:
+    """The ``index``-th task of ``level`` in ``split`` for ``seed`` (deterministic; see module invariants)."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    if level not in FAMILIES_BY_LEVEL:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    if index < 0:
+        raise ValueError(f"index must be >= 0, got {index}")
+    for attempt in range(10_000):
+        r = random.Random(f"{seed}:{level}:{split}:{index}:{attempt}")
+        fam = r.choice(FAMILIES_BY_LEVEL[level])
+        params = fam.params(r)
+        name = f"{r.choice(VERBS)}_{r.choice(NOUNS)}"
+        sig = signature(fam, params, name)
+        if split_of(sig) == split:
+            break
+    else:  # pragma: no cover - with 20% held-out this is astronomically unlikely
+        raise RuntimeError(f"no {split} instance found for level {level}, index {index}")
+    visible: list[Args] = []
+    hidden: list[Args] = list(fam.edges(params))
+    for _ in range(200):
+        if len(visible) >= N_VISIBLE and len(hidden) >= N_HIDDEN:
+            break
+        a = fam.gen(r, params)
+        if a in hidden:
+            continue
+        if len(visible) < N_VISIBLE:
+            # Visible cases are short: they appear in run_tests observations inside a tiny context.
+            if len(repr(a)) > MAX_VISIBLE_ARGS_CHARS:
+                continue
+            visible.append(a)
+        hidden.append(a)
+    body = fam.body.format(**params)
+    solution = _function_source(name, fam.args, body)
+    want_vis = _outputs(solution, name, visible)
+    want_hid = _outputs(solution, name, hidden)
+    bugs = []
+    for tmpl in fam.bugs:
+        bug = _function_source(name, fam.args, tmpl.format(**params))
+        if bug != solution and not all(map(_same, _outputs(bug, name, hidden), want_hid)):
+            bugs.append(bug)
+    spec = fam.spec.format(**params)
+    doc = spec[0].upper() + spec[1:] + "."
+    stub = _function_source(name, fam.args, "raise NotImplementedError", doc)
+    user = (
+        f"Implement `{name}({fam.args})` in solution.py: {spec}. "
+        f"Visible tests are in test_solution.py. Call submit when done."
+    )
+    return Task(
+        id=task_id(split, seed, level, index),
+        prompt=[Message("system", SYSTEM_PROMPT), Message("user", user)],
+        workspace={
+            SOLUTION_FILE: stub,
+            VISIBLE_TEST_FILE: test_file(
+                [(_call(name, a), w) for a, w in zip(visible, want_vis, strict=True)]
+            ),
+        },
+        hidden_tests={
+            HIDDEN_TEST_FILE: test_file([(_call(name, a), w) for a, w in zip(hidden, want_hid, strict=True)])
+        },
+        test_command=["python3", "-S", HIDDEN_TEST_FILE],
+        visible_test_command=["python3", "-S", VISIBLE_TEST_FILE],
+        protected=[VISIBLE_TEST_FILE],
+        limits=limits or default_limits(),
+        meta={
+            "family": fam.name,
+            "level": level,
+            "split": split,
+            "seed": seed,
+            "index": index,
+            "function": name,
+            "params": params,
+            "signature": sig,
+            "solution": solution,
+            "bugs": bugs,
+            "visible_total": len(visible),
+            "hidden_total": len(hidden),
+        },
+    )
+
+
+def task_split(
+    split: str, seed: int, levels: list[int] | tuple[int, ...], n: int, limits: TaskLimits | None = None
+) -> list[Task]:
+    """``n`` tasks of ``split``, levels interleaved round-robin (deterministic)."""
+    if not levels:
+        raise ValueError("levels must not be empty; pass e.g. [1, 2, 3]")
+    lv = list(levels)
+    return [generate_task(split, i // len(lv), seed, lv[i % len(lv)], limits) for i in range(n)]
+
+
+def get_task(task_id: str, limits: TaskLimits | None = None) -> Task:
+    """Rebuild a task from its id ``builtin:<split>:s<seed>:l<level>:<index>``."""
+    try:
+        src, split, s, lv, idx = task_id.split(":")
+        if src != "builtin" or s[0] != "s" or lv[0] != "l":
+            raise ValueError
+        seed, level, index = int(s[1:]), int(lv[1:]), int(idx)
+    except (ValueError, IndexError):
+        raise ValueError(
+            f"task id {task_id!r} is not a builtin task id; expected builtin:<split>:s<seed>:l<level>:<index>"
+        ) from None
+    return generate_task(split, index, seed, level, limits)
+
+
+class _Exit(Exception):
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
+def run_test_file_inprocess(test_source: str, solution_source: str) -> tuple[str, int]:
+    """Run a generated test file against ``solution_source`` in this process: ``(stdout, exit_code)``.
+
+    Only for trusted code (reference solutions and bug variants): it emulates ``python3 test_file`` by giving
+    the runner a private ``print``, ``import`` and ``sys.exit``. Tests check that it matches a sandboxed run.
+    """
+    out = io.StringIO()
+
+    def _print(*a: Any, **kw: Any) -> None:
+        kw.setdefault("file", out)
+        print(*a, **kw)
+
+    def _exit(code: int | None = 0) -> None:
+        raise _Exit(int(code or 0))
+
+    def _import(name: str, *a: Any, **kw: Any) -> Any:
+        if name == "sys":
+            return types.SimpleNamespace(exit=_exit)
+        if name == "solution":
+            mod = types.ModuleType("solution")
+            mod.__file__ = SOLUTION_FILE
+            exec(_compile(solution_source, SOLUTION_FILE), vars(mod))
+            return mod
+        return builtins.__import__(name, *a, **kw)
+
+    b = dict(vars(builtins), print=_print, __import__=_import)
+    try:
+        g = {"__builtins__": b, "__name__": "__main__"}
+        if test_source.endswith(RUNNER):
+            # Same statements in the same namespace as the whole file; the runner part compiles once.
+            exec(compile(test_source[: -len(RUNNER)], VISIBLE_TEST_FILE, "exec"), g)
+            exec(_compile(RUNNER, VISIBLE_TEST_FILE), g)
+        else:
+            exec(compile(test_source, VISIBLE_TEST_FILE, "exec"), g)
+        code = 0
+    except _Exit as e:
+        code = e.code
+    return out.getvalue(), code

@@ -1,0 +1,21 @@
+"""Layer 1: small Qwen3 models, tandem's tokenizer and its token-exact chat / tool-call format."""
+
+from tandem.model.build import build_model, num_params, qwen3_config
+from tandem.model.chat import CHAT_TEMPLATE, SPECIAL_TOKENS, ChatTemplate, render_text
+from tandem.model.load import load_chat_format, load_model, load_tokenizer
+from tandem.model.tokenizer import save_tokenizer, train_tokenizer
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "ChatTemplate",
+    "build_model",
+    "load_chat_format",
+    "load_model",
+    "load_tokenizer",
+    "num_params",
+    "qwen3_config",
+    "render_text",
+    "save_tokenizer",
+    "train_tokenizer",
+]

@@ -1,0 +1,70 @@
+"""Load any local HF causal LM directory and its tokenizer, offline, with clear errors.
+
+Invariants: nothing is downloaded (``local_files_only=True``); every failure is a ``ModelLoadError`` that
+names the path, what is missing or unreadable, and how to point tandem at a usable directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tandem.core.errors import ModelLoadError
+from tandem.model.chat import ChatTemplate
+
+HINT = "pass --set model.path=DIR containing config.json and tokenizer.json"
+DTYPES = ("float32", "bfloat16")
+
+
+def _check_dir(path: str | Path, need_weights: bool) -> Path:
+    p = Path(path)
+    if not p.is_dir():
+        raise ModelLoadError(f"model directory {str(p)!r} does not exist; {HINT}")
+    if not (p / "tokenizer.json").is_file():
+        raise ModelLoadError(f"{str(p)!r} has no tokenizer.json (a fast HF tokenizer is required); {HINT}")
+    if need_weights:
+        if not (p / "config.json").is_file():
+            raise ModelLoadError(f"{str(p)!r} has no config.json; {HINT}")
+        try:
+            json.loads((p / "config.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"{str(p / 'config.json')!r} is unreadable ({e}); {HINT}") from None
+        if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+            raise ModelLoadError(f"{str(p)!r} has no weights (*.safetensors or *.bin); {HINT}")
+    return p
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The HF fast tokenizer saved in ``path``."""
+    from transformers import AutoTokenizer
+
+    p = _check_dir(path, need_weights=False)
+    try:
+        return AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any loader failure becomes one clear error
+        raise ModelLoadError(f"could not load the tokenizer in {str(p)!r}: {e}; {HINT}") from None
+
+
+def load_model(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:
+    """``(model, tokenizer)`` from a local HF causal LM directory; the model is in eval mode on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported; use one of {DTYPES}")
+    p = _check_dir(path, need_weights=True)
+    tok = load_tokenizer(p)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(p), local_files_only=True, dtype=getattr(torch, dtype)
+        )
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"could not load the model in {str(p)!r}: {e}; {HINT}") from None
+    model.eval()
+    return model, tok
+
+
+def load_chat_format(path: str | Path) -> ChatTemplate:
+    """The ``ChatTemplate`` over the tokenizer in ``path``."""
+    return ChatTemplate(load_tokenizer(path))

@@ -1,0 +1,266 @@
+"""Ray actors: engine, trajectory buffer, rollout worker and trainer.
+
+Invariants:
+- The buffer hands out *credits*: a rollout worker starts a group only after taking one. The driver grants
+  ``(max_staleness + 1) * groups_per_step`` credits up front and ``groups_per_step`` more each time it takes a
+  batch (async), or exactly one batch worth after each weight update (sync). With FIFO consumption this bounds
+  how far behind the trainer a group can fall; groups that are still too old at ``take`` are dropped and
+  counted.
+- A group that fails or times out returns its credit and its task is requeued; no call waits forever:
+  ``take`` raises after ``request_timeout_s`` without progress.
+- Engines apply a weight update only after verifying its content hash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import deque
+from typing import Any
+
+import ray
+
+from tandem.core.config import RunConfig
+from tandem.core.records import Group, Task
+from tandem.weights import WeightUpdate, verify_update
+
+
+def _set_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(max(1, n))
+    os.environ["OMP_NUM_THREADS"] = str(max(1, n))
+
+
+@ray.remote(num_cpus=0)
+class EngineActor:
+    """Serves ``generate`` for rollout workers from one built-in engine; applies verified weight updates."""
+
+    def __init__(self, cfg: RunConfig, seed: int = 0) -> None:
+        _set_threads(cfg.engine.threads)
+        from tandem.engine import BuiltinEngine
+
+        self.engine = BuiltinEngine.from_path(cfg.model.path, cfg.engine, dtype=cfg.model.dtype, seed=seed)
+        self.engine.start()
+
+    async def generate(self, request):
+        return await asyncio.wrap_future(self.engine.submit(request))
+
+    async def update_weights(self, update: WeightUpdate) -> float:
+        """Verify and apply; returns the seconds the engine was paused to patch tensors."""
+        await asyncio.to_thread(verify_update, update)
+        t0 = time.monotonic()
+        await asyncio.to_thread(self.engine.update_weights, update.version, update.tensors)
+        return time.monotonic() - t0
+
+    async def stats(self) -> dict[str, Any]:
+        return {**self.engine.stats(), **self.engine.health()}
+
+    async def shutdown(self) -> None:
+        self.engine.stop()
+
+
+@ray.remote(num_cpus=0)
+class BufferActor:
+    """FIFO of finished groups with credit-based admission and staleness filtering."""
+
+    def __init__(self, max_groups: int) -> None:
+        self.groups: deque[Group] = deque()
+        self.credits = 0
+        self.closed = False
+        self.cond = asyncio.Condition()
+        self.max_groups = max_groups
+        self.counters = {"produced": 0, "dropped_stale": 0, "failed": 0, "taken": 0}
+        self.last_progress = time.monotonic()
+
+    async def grant(self, n: int) -> None:
+        async with self.cond:
+            self.credits += n
+            self.cond.notify_all()
+
+    async def acquire_credit(self) -> bool:
+        async with self.cond:
+            await self.cond.wait_for(lambda: self.closed or self.credits > 0)
+            if self.closed:
+                return False
+            self.credits -= 1
+            return True
+
+    async def put(self, group: Group) -> None:
+        async with self.cond:
+            self.groups.append(group)
+            self.counters["produced"] += 1
+            self.last_progress = time.monotonic()
+            self.cond.notify_all()
+
+    async def failed(self) -> None:
+        """A group failed: give its credit back so another one starts."""
+        async with self.cond:
+            self.counters["failed"] += 1
+            self.credits += 1
+            self.cond.notify_all()
+
+    async def take(
+        self, n: int, trainer_version: int, max_staleness: int, timeout_s: float
+    ) -> tuple[list[Group], dict[str, Any]]:
+        """Wait for ``n`` groups no older than ``max_staleness`` versions; drop (and count) older ones."""
+        taken: list[Group] = []
+        staleness: list[int] = []
+        dropped = 0
+        deadline_base = time.monotonic()
+        async with self.cond:
+            while len(taken) < n:
+                while self.groups and len(taken) < n:
+                    g = self.groups.popleft()
+                    oldest = g.oldest_version()
+                    lag = 0 if oldest is None else trainer_version - oldest
+                    if lag > max_staleness:
+                        dropped += 1
+                        self.counters["dropped_stale"] += 1
+                        self.credits += 1  # replace the dropped group
+                        self.cond.notify_all()
+                        continue
+                    taken.append(g)
+                    staleness.append(lag)
+                if len(taken) >= n:
+                    break
+                if self.closed:
+                    raise RuntimeError("buffer closed while the trainer waited for groups")
+                idle = time.monotonic() - max(self.last_progress, deadline_base)
+                if idle > timeout_s:
+                    raise TimeoutError(
+                        f"no rollout group finished for {timeout_s:.0f}s (have {len(taken)}/{n}); engines or "
+                        f"rollout workers are stuck or dead. Raise orchestrator.request_timeout_s if "
+                        f"sessions "
+                        f"are legitimately slow."
+                    )
+                try:
+                    await asyncio.wait_for(self.cond.wait(), timeout=min(5.0, timeout_s))
+                except TimeoutError:
+                    pass
+            self.counters["taken"] += len(taken)
+        return taken, {"staleness": staleness, "dropped_stale": dropped, "buffered": len(self.groups)}
+
+    async def close(self) -> None:
+        async with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    async def stats(self) -> dict[str, Any]:
+        return {**self.counters, "buffered": len(self.groups), "credits": self.credits}
+
+
+@ray.remote(num_cpus=0)
+class RolloutActor:
+    """Produces groups for the buffer (training) and runs evaluations, against the engine actors."""
+
+    def __init__(self, cfg: RunConfig, engines: list, buffer, index: int = 0, num_workers: int = 1) -> None:
+        from tandem.model import load_chat_format
+        from tandem.rollout import RolloutWorker, TaskStream
+
+        self.cfg = cfg
+        self.engines = engines
+        self.outstanding = [0] * len(engines)
+        self.dead = [False] * len(engines)
+        self.buffer = buffer
+        self.stream = TaskStream(cfg, index, num_workers)
+        self.worker = RolloutWorker(
+            self._generate, load_chat_format(cfg.model.path), cfg, seed=cfg.train.seed + index
+        )
+        self.running = False
+        self.inflight: set[asyncio.Task] = set()
+        self.errors: list[str] = []
+
+    async def _generate(self, request):
+        from ray.exceptions import RayActorError
+
+        from tandem.core.generation import Completion
+
+        alive = [i for i in range(len(self.engines)) if not self.dead[i]]
+        if not alive:
+            return Completion([], [], [], "error", "no live engine")
+        i = min(alive, key=lambda j: self.outstanding[j])
+        self.outstanding[i] += 1
+        try:
+            return await self.engines[i].generate.remote(request)
+        except RayActorError as e:
+            self.dead[i] = True
+            self.errors.append(f"engine {i} died: {e}")
+            return Completion([], [], [], "error", f"engine {i} died")
+        finally:
+            self.outstanding[i] -= 1
+
+    async def produce(self) -> None:
+        """Loop until stopped: take a credit, run a group, put it in the buffer."""
+        self.running = True
+        limit = asyncio.Semaphore(self.cfg.rollout.groups_in_flight)
+        while self.running:
+            await limit.acquire()
+            if not self.running or not await self.buffer.acquire_credit.remote():
+                limit.release()
+                break
+            task = next(self.stream)
+            t = asyncio.create_task(self._one_group(task, limit))
+            self.inflight.add(t)
+            t.add_done_callback(self.inflight.discard)
+
+    async def _one_group(self, task: Task, limit: asyncio.Semaphore) -> None:
+        try:
+            group = await asyncio.wait_for(
+                self.worker.run_group(task), timeout=self.cfg.orchestrator.request_timeout_s
+            )
+            if any(t.flags.get("engine_error") for t in group.trajectories):
+                raise RuntimeError("engine error during the group")
+            await self.buffer.put.remote(group)
+        except Exception as e:  # noqa: BLE001 - requeue and keep producing
+            self.errors.append(f"group {task.id}: {type(e).__name__}: {e}")
+            self.stream.requeue(task)
+            await self.buffer.failed.remote()
+        finally:
+            limit.release()
+
+    async def stop(self) -> None:
+        self.running = False
+        for t in list(self.inflight):
+            t.cancel()
+
+    async def evaluate(
+        self, tasks: list[Task], samples_per_task: int, temperature: float, ks: tuple[int, ...]
+    ):
+        from tandem.rollout import evaluate
+
+        return await evaluate(self.worker, tasks, samples_per_task, ks, temperature, concurrency=16)
+
+    async def get_errors(self) -> list[str]:
+        return list(self.errors)
+
+
+@ray.remote(num_cpus=0)
+class TrainerActor:
+    """Owns the policy's fp32 master weights and optimizer; steps on groups and publishes updates."""
+
+    def __init__(self, cfg: RunConfig, model_path: str, resume_dir: str | None = None) -> None:
+        _set_threads(cfg.train.threads)
+        from tandem.train import Trainer
+
+        self.trainer = Trainer(model_path, cfg.train, publish_dtype=cfg.model.dtype)
+        if resume_dir:
+            self.trainer.load_checkpoint(resume_dir)
+
+    def version(self) -> int:
+        return self.trainer.version
+
+    def step(self, groups: list[Group]) -> dict[str, Any]:
+        return self.trainer.step(groups)
+
+    def publish(self) -> WeightUpdate:
+        from tandem.weights import make_update
+
+        return make_update(self.trainer.version, self.trainer.publish_state())
+
+    def save_checkpoint(self, path: str) -> None:
+        self.trainer.save_checkpoint(path)
+
+    def export_model(self, path: str) -> None:
+        self.trainer.export_model(path)

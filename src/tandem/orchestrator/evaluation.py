@@ -1,0 +1,52 @@
+"""In-process evaluation of a model directory on a task split (no Ray): what ``tandem eval`` runs.
+
+Invariant: uses the same harness, sandbox, reward and pass@k estimator as the evaluation inside a training
+run, so ``eval_before.json``/``eval_after.json`` and ``tandem eval --json`` are comparable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from tandem.core.config import RunConfig
+
+
+def eval_model(
+    cfg: RunConfig,
+    model_path: str,
+    split: str = "heldout",
+    samples_per_task: int | None = None,
+    ks: tuple[int, ...] = (1,),
+    n_tasks: int | None = None,
+) -> dict[str, Any]:
+    """Evaluate ``model_path`` on ``split`` and return ``{"pass@1", "n", ...}``."""
+    import torch
+
+    from tandem.engine import BuiltinEngine
+    from tandem.env.tasks import task_split
+    from tandem.model import load_chat_format
+    from tandem.rollout import RolloutWorker, evaluate
+    from tandem.rollout.worker import apply_limits
+
+    if split not in ("heldout", "train"):
+        raise ValueError(f"--split must be 'heldout' or 'train', got {split!r}")
+    torch.set_num_threads(max(1, cfg.engine.threads))
+    chat = load_chat_format(model_path)
+    engine = BuiltinEngine.from_path(model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.train.seed)
+    engine.start()
+    n = n_tasks or cfg.tasks.heldout_size
+    tasks = [apply_limits(t, cfg) for t in task_split(split, cfg.tasks.seed, cfg.tasks.levels, n)]
+    spt = samples_per_task or max(cfg.eval.samples_per_task, max(ks))
+
+    async def generate(request):
+        return await asyncio.wrap_future(engine.submit(request))
+
+    worker = RolloutWorker(generate, chat, cfg, seed=cfg.train.seed)
+    try:
+        result = asyncio.run(evaluate(worker, tasks, spt, ks, cfg.eval.temperature, concurrency=16))
+    finally:
+        engine.stop()
+    result["model"] = model_path
+    result["split"] = split
+    return result

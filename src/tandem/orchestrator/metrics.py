@@ -1,0 +1,73 @@
+"""Run observability: ``metrics.jsonl`` (one JSON object per trainer step), TensorBoard events, progress line.
+
+Invariants: every logged row is flushed before ``log`` returns, so a crashed run keeps every finished step;
+rows contain only JSON scalars.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLogger:
+    """Appends step rows to ``run_dir/metrics.jsonl`` and mirrors numeric values to TensorBoard."""
+
+    def __init__(self, run_dir: Path, append: bool = False) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a" if append else "w")
+        self._tb = None
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        except Exception as e:  # noqa: BLE001 - TensorBoard is optional at run time
+            print(f"warning: TensorBoard events disabled ({e})", file=sys.stderr)
+
+    def log(self, row: dict[str, Any]) -> None:
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self._tb.add_scalar(k, v, row["step"])
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class ProgressLine:
+    """One line per step: step, version, reward, samples/s, staleness, busy fractions."""
+
+    def __init__(self, total_steps: int, quiet: bool = False) -> None:
+        self.total = total_steps
+        self.quiet = quiet
+        self.t0 = time.monotonic()
+
+    def note(self, text: str) -> None:
+        if not self.quiet:
+            print(f"[tandem {time.monotonic() - self.t0:6.1f}s] {text}", flush=True)
+
+    def update(self, row: dict[str, Any]) -> None:
+        if self.quiet:
+            return
+        print(
+            f"[tandem {row['elapsed_s']:6.1f}s] step {row['step']}/{self.total} v{row['version']} "
+            f"reward {row['reward_mean']:.3f} pass {row['pass_rate']:.2f} "
+            f"samples/s {row['samples_per_s']:.2f} staleness<={row['staleness_max']} "
+            f"trainer_busy {row['trainer_busy']:.2f} engine_busy {row.get('engine_busy', 0):.2f}",
+            flush=True,
+        )

@@ -1,0 +1,150 @@
+"""End-of-run report: ``report.md`` with PNG plots of reward, held-out pass@1, throughput, busy fractions and
+staleness, plus ``summary.json``.
+
+Invariant: every number in the report is read from what the run wrote (metrics rows, eval JSON); nothing is
+computed from assumptions.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.core.config import RunConfig
+    from tandem.orchestrator.run import RunResult
+
+
+def _plot(path: Path, title: str, series: dict[str, tuple[list[float], list[float]]], ylabel: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, label=label, marker="." if len(xs) < 60 else None)
+    ax.set_title(title)
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if len(series) > 1:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _bar(path: Path, title: str, labels: list[str], values: list[float], ylabel: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 3.2))
+    bars = ax.bar(labels, values, color=["#888", "#2a7", "#27a", "#a72"][: len(labels)])
+    for bar, v in zip(bars, values, strict=True):
+        ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom")
+    ax.set_title(title)
+    ax.set_ylabel(ylabel)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
+    """Write plots, ``summary.json`` and ``report.md`` into ``run_dir``; returns the report path."""
+    rows = result.history
+    steps = [r["step"] for r in rows]
+    plots: list[tuple[str, str]] = []
+    if rows:
+        _plot(
+            run_dir / "reward.png",
+            "training reward",
+            {
+                "reward_mean": (steps, [r["reward_mean"] for r in rows]),
+                "pass_rate": (steps, [r["pass_rate"] for r in rows]),
+            },
+            "reward",
+        )
+        plots.append(("Reward", "reward.png"))
+        _plot(
+            run_dir / "throughput.png",
+            "throughput",
+            {"samples/s": (steps, [r["samples_per_s"] for r in rows])},
+            "samples per second",
+        )
+        plots.append(("Throughput", "throughput.png"))
+        _plot(
+            run_dir / "busy.png",
+            "busy fractions",
+            {
+                "trainer": (steps, [r["trainer_busy"] for r in rows]),
+                "engine": (steps, [r.get("engine_busy", 0.0) for r in rows]),
+            },
+            "fraction of wall time",
+        )
+        plots.append(("Busy fractions", "busy.png"))
+        keys = sorted(result.staleness_hist, key=int)
+        _bar(
+            run_dir / "staleness.png",
+            "staleness of trained groups",
+            keys,
+            [float(result.staleness_hist[k]) for k in keys],
+            "groups",
+        )
+        plots.append(("Staleness histogram (versions behind the trainer)", "staleness.png"))
+    if result.eval_before and result.eval_after:
+        _bar(
+            run_dir / "heldout.png",
+            "held-out pass@1",
+            ["before", "after"],
+            [result.eval_before["pass@1"], result.eval_after["pass@1"]],
+            "pass@1",
+        )
+        plots.append(("Held-out pass@1", "heldout.png"))
+
+    summary: dict[str, Any] = {
+        "mode": cfg.orchestrator.mode,
+        "steps": result.steps,
+        "version": result.version,
+        "wall_s": round(result.wall_s, 2),
+        "samples": result.samples,
+        "samples_per_s": round(result.samples_per_s, 4),
+        "trainer_busy": round(result.trainer_busy, 4),
+        "engine_busy": round(result.engine_busy, 4),
+        "staleness_hist": result.staleness_hist,
+        "heldout_pass1_before": None if not result.eval_before else result.eval_before["pass@1"],
+        "heldout_pass1_after": None if not result.eval_after else result.eval_after["pass@1"],
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+
+    lines = [
+        f"# tandem run report ({cfg.orchestrator.mode})",
+        "",
+        f"- model: `{cfg.model.path}`",
+        f"- steps: {result.steps} (final version {result.version}), wall time {result.wall_s:.1f} s",
+        f"- samples: {result.samples} ({result.samples_per_s:.2f}/s)",
+        f"- trainer busy {result.trainer_busy:.2f}, engine busy {result.engine_busy:.2f}",
+        f"- staleness histogram: {json.dumps(result.staleness_hist)}",
+    ]
+    if rows:
+        first, last = rows[: max(1, len(rows) // 5)], rows[-max(1, len(rows) // 5) :]
+        avg = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+        lines.append(
+            f"- training reward: first fifth {avg(first, 'reward_mean'):.3f} -> "
+            f"last fifth {avg(last, 'reward_mean'):.3f}"
+        )
+    if result.eval_before and result.eval_after:
+        b, a = result.eval_before["pass@1"], result.eval_after["pass@1"]
+        lines.append(
+            f"- held-out pass@1: before {b:.3f} -> after {a:.3f} ({a - b:+.3f}) on {result.eval_after['n']} "
+            f"tasks x {result.eval_after['samples_per_task']} samples"
+        )
+    lines.append("")
+    for title, png in plots:
+        lines += [f"## {title}", "", f"![{title}]({png})", ""]
+    path = run_dir / "report.md"
+    path.write_text("\n".join(lines))
+    return path

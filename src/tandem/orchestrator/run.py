@@ -1,0 +1,230 @@
+"""The training run: the picture of design section 1 as code.
+
+    tasks -> rollout workers -> engines;  workers -> buffer -> trainer -> weight update -> engines
+
+Invariants:
+- ``mode="async"``: workers keep generating while the trainer steps; a batch is taken as soon as
+  ``groups_per_step`` fresh groups exist; staleness is bounded by credits and enforced at ``take``.
+- ``mode="sync"``: one batch of groups is generated on version v, then trained, then every engine is
+  updated to v+1 before the next batch starts (the comparison baseline).
+- Every step appends one line to ``metrics.jsonl``; checkpoints are atomic; ``resume`` continues from the
+  latest checkpoint's version with the same config.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from tandem.core.config import RunConfig, dump_config
+from tandem.orchestrator.actors import BufferActor, EngineActor, RolloutActor, TrainerActor
+from tandem.orchestrator.metrics import MetricsLogger, ProgressLine
+
+
+@dataclass
+class RunResult:
+    """What a finished run measured (also written to the run directory)."""
+
+    steps: int
+    version: int
+    wall_s: float
+    samples: int
+    trainer_busy: float
+    engine_busy: float
+    staleness_hist: dict[str, int]
+    eval_before: dict[str, Any] | None = None
+    eval_after: dict[str, Any] | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / max(self.wall_s, 1e-9)
+
+
+def heldout_tasks(cfg: RunConfig):
+    from tandem.env.tasks import task_split
+    from tandem.rollout.worker import apply_limits
+
+    tasks = task_split("heldout", cfg.tasks.seed, cfg.tasks.levels, cfg.tasks.heldout_size)
+    return [apply_limits(t, cfg) for t in tasks]
+
+
+def init_ray(cfg: RunConfig) -> None:
+    if ray.is_initialized():
+        return
+    if cfg.orchestrator.ray_address:
+        ray.init(address=cfg.orchestrator.ray_address, log_to_driver=True)
+    else:
+        import os
+
+        needed = cfg.train.threads + cfg.engine.threads * cfg.engine.num_engines
+        ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, log_to_driver=True)
+
+
+def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
+    """Run RL training as configured; returns what it measured and writes the run directory."""
+    from tandem.train.checkpoint import latest_checkpoint
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(dump_config(cfg))
+    resume_dir = None
+    if resume:
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is None:
+            raise FileNotFoundError(
+                f"--resume: no checkpoint under {run_dir / 'checkpoints'}; start without it"
+            )
+        resume_dir = str(ckpt)
+    init_ray(cfg)
+    o, b = cfg.orchestrator, cfg.train.groups_per_step
+
+    trainer = TrainerActor.options(num_cpus=cfg.train.threads).remote(cfg, cfg.model.path, resume_dir)
+    engines = [
+        EngineActor.options(num_cpus=cfg.engine.threads).remote(cfg, seed=cfg.train.seed + i)
+        for i in range(cfg.engine.num_engines)
+    ]
+    buffer = BufferActor.remote(o.buffer_max_groups)
+    workers = [
+        RolloutActor.remote(cfg, engines, buffer, i, cfg.rollout.num_workers)
+        for i in range(cfg.rollout.num_workers)
+    ]
+    version = ray.get(trainer.version.remote())
+    if version > 0:  # resumed: engines start from the checkpoint's weights
+        update = trainer.publish.remote()
+        ray.get([e.update_weights.remote(update) for e in engines])
+
+    logger = MetricsLogger(run_dir, append=resume)
+    progress = ProgressLine(o.steps, quiet=quiet)
+    eval_tasks = heldout_tasks(cfg)
+    eval_before = None
+    if cfg.eval.before_after and not resume:
+        progress.note("evaluating the starting model on the held-out split")
+        eval_before = _evaluate(cfg, workers[0], eval_tasks)
+        (run_dir / "eval_before.json").write_text(json.dumps(eval_before, indent=2))
+
+    ray.get(buffer.grant.remote((o.max_staleness + 1) * b if o.mode == "async" else b))
+    for w in workers:
+        w.produce.remote()
+
+    hist: dict[str, int] = {}
+    history: list[dict[str, Any]] = []
+    samples_total, trainer_busy_s = 0, 0.0
+    engine_busy0 = _engine_busy(engines)
+    start = time.monotonic()
+    step = version
+    while step < o.steps:
+        if o.time_budget_s and time.monotonic() - start > o.time_budget_s:
+            break
+        t_wait = time.monotonic()
+        groups, info = ray.get(buffer.take.remote(b, version, o.max_staleness, o.request_timeout_s))
+        wait_s = time.monotonic() - t_wait
+        if o.mode == "async":
+            buffer.grant.remote(b)
+        t_train = time.monotonic()
+        metrics = ray.get(trainer.step.remote(groups))
+        update = trainer.publish.remote()
+        pauses = ray.get([e.update_weights.remote(update) for e in engines])
+        train_s = time.monotonic() - t_train
+        version = step = step + 1
+        if o.mode == "sync":
+            buffer.grant.remote(b)
+        trainer_busy_s += metrics.get("step_time_s", train_s)
+        samples = sum(len(g.trajectories) for g in groups)
+        samples_total += samples
+        for lag in info["staleness"]:
+            hist[str(lag)] = hist.get(str(lag), 0) + 1
+        elapsed = time.monotonic() - start
+        engine_busy = (_engine_busy(engines) - engine_busy0) / max(elapsed * len(engines), 1e-9)
+        row = _step_row(step, version, groups, metrics, info, samples, samples_total, elapsed, trainer_busy_s)
+        row.update(
+            engine_busy=engine_busy,
+            wait_s=wait_s,
+            weight_sync_s=train_s - metrics.get("step_time_s", 0.0),
+            engine_pause_s=max(pauses),
+        )
+        logger.log(row)
+        history.append(row)
+        progress.update(row)
+        if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
+            ray.get(trainer.save_checkpoint.remote(str(run_dir / "checkpoints" / f"step_{step:06d}")))
+    wall = time.monotonic() - start
+    engine_busy = (_engine_busy(engines) - engine_busy0) / max(wall * len(engines), 1e-9)
+    ray.get([w.stop.remote() for w in workers])
+    ray.get(buffer.close.remote())
+    errors = sum(ray.get([w.get_errors.remote() for w in workers]), [])
+    if errors:
+        (run_dir / "rollout_errors.log").write_text("\n".join(errors))
+    ray.get(trainer.save_checkpoint.remote(str(run_dir / "checkpoints" / f"step_{step:06d}")))
+    ray.get(trainer.export_model.remote(str(run_dir / "final_model")))
+
+    eval_after = None
+    if cfg.eval.before_after:
+        progress.note("evaluating the final model on the held-out split")
+        eval_after = _evaluate(cfg, workers[0], eval_tasks)
+        (run_dir / "eval_after.json").write_text(json.dumps(eval_after, indent=2))
+    logger.close()
+    result = RunResult(
+        steps=len(history),
+        version=version,
+        wall_s=wall,
+        samples=samples_total,
+        trainer_busy=trainer_busy_s / max(wall, 1e-9),
+        engine_busy=engine_busy,
+        staleness_hist=hist,
+        eval_before=eval_before,
+        eval_after=eval_after,
+        history=history,
+    )
+    for e in engines:
+        ray.get(e.shutdown.remote())
+    for actor in [*workers, *engines, trainer, buffer]:
+        ray.kill(actor)
+    from tandem.orchestrator.report import write_report
+
+    write_report(run_dir, result, cfg)
+    return result
+
+
+def _evaluate(cfg: RunConfig, worker, tasks) -> dict[str, Any]:
+    e = cfg.eval
+    ks = tuple(k for k in (1, 2, 4, 8) if k <= e.samples_per_task)
+    return ray.get(worker.evaluate.remote(tasks, e.samples_per_task, e.temperature, ks))
+
+
+def _engine_busy(engines) -> float:
+    return sum(s["busy_s"] for s in ray.get([e.stats.remote() for e in engines]))
+
+
+def _step_row(step, version, groups, metrics, info, samples, samples_total, elapsed, trainer_busy_s) -> dict:
+    rewards = np.concatenate([g.rewards() for g in groups]) if groups else np.zeros(0)
+    trajs = [t for g in groups for t in g.trajectories]
+    staleness = info["staleness"] or [0]
+    row = {
+        "step": step,
+        "version": version,
+        "reward_mean": float(rewards.mean()) if len(rewards) else 0.0,
+        "pass_rate": float(np.mean([t.reward.components.get("pass_fraction", 0.0) >= 1.0 for t in trajs])),
+        "samples": samples,
+        "samples_total": samples_total,
+        "samples_per_s": samples_total / max(elapsed, 1e-9),
+        "staleness_max": int(max(staleness)),
+        "staleness_mean": float(np.mean(staleness)),
+        "dropped_stale": info["dropped_stale"],
+        "trainer_busy": trainer_busy_s / max(elapsed, 1e-9),
+        "elapsed_s": elapsed,
+        "turns_mean": float(np.mean([t.tool_stats.get("turns", 0) for t in trajs])),
+        "malformed_calls": int(sum(t.tool_stats.get("malformed_calls", 0) for t in trajs)),
+        "truncated_frac": float(np.mean([t.flags.get("truncated", False) for t in trajs])),
+        "submitted_frac": float(np.mean([t.flags.get("submitted", False) for t in trajs])),
+        "sampled_tokens": int(sum(t.num_sampled for t in trajs)),
+    }
+    for k, v in metrics.items():
+        if isinstance(v, (int, float)) and k not in row:
+            row[f"train/{k}"] = float(v)
+    return row

@@ -1,0 +1,89 @@
+"""Rollout worker: runs the G sessions of a task concurrently and returns them as a ``Group``.
+
+Invariants: a group holds exactly ``group_size`` trajectories of the same task, or the call raises (the
+caller requeues the task); sessions of one group share nothing but the task; every session's sampling seed
+is distinct so the group explores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+
+from tandem.core.config import RunConfig
+from tandem.core.generation import ChatFormat, SamplingParams
+from tandem.core.records import Group, Task, TaskLimits
+from tandem.env.harness import GenerateFn, run_session
+
+
+class TaskStream:
+    """An endless, deterministic stream of training-split tasks cycling over the configured levels.
+
+    Requeued tasks (from failed groups) are served before new ones.
+    """
+
+    def __init__(self, cfg: RunConfig, worker_index: int = 0, num_workers: int = 1) -> None:
+        self._cfg = cfg
+        self._indices: Iterator[int] = itertools.count(worker_index, num_workers)
+        self._requeued: list[Task] = []
+
+    def requeue(self, task: Task) -> None:
+        self._requeued.append(task)
+
+    def __next__(self) -> Task:
+        from tandem.env.tasks import generate_task
+
+        if self._requeued:
+            return self._requeued.pop(0)
+        i = next(self._indices)
+        levels = self._cfg.tasks.levels
+        task = generate_task("train", i, self._cfg.tasks.seed, levels[i % len(levels)])
+        return apply_limits(task, self._cfg)
+
+    def __iter__(self) -> TaskStream:
+        return self
+
+
+def apply_limits(task: Task, cfg: RunConfig) -> Task:
+    """Give a task the session limits of the run config."""
+    task.limits = TaskLimits(cfg.tasks.max_turns, cfg.tasks.max_tokens, cfg.tasks.wall_time_s)
+    return task
+
+
+class RolloutWorker:
+    """Runs groups of sessions with one generate function and chat format."""
+
+    def __init__(self, generate: GenerateFn, chat: ChatFormat, cfg: RunConfig, seed: int = 0) -> None:
+        self.generate = generate
+        self.chat = chat
+        self.cfg = cfg
+        self._seeds = itertools.count(seed * 1_000_003 + 1)
+
+    def sampling(self, temperature: float | None = None) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature if temperature is None else temperature,
+            top_p=r.top_p,
+            seed=next(self._seeds),
+        )
+
+    async def run_group(
+        self, task: Task, group_size: int | None = None, temperature: float | None = None
+    ) -> Group:
+        """Run ``group_size`` sessions of ``task`` concurrently."""
+        n = self.cfg.rollout.group_size if group_size is None else group_size
+        sessions = [
+            run_session(
+                task,
+                self.generate,
+                self.chat,
+                self.sampling(temperature),
+                self.cfg.sandbox,
+                self.cfg.reward,
+            )
+            for _ in range(n)
+        ]
+        trajectories = await asyncio.gather(*sessions)
+        return Group(task.id, list(trajectories))

@@ -1,0 +1,24 @@
+"""Isolated command execution for agent tools and reward tests.
+
+``create_sandbox(workspace, config)`` copies the workspace (a dict of files or a directory) into a private
+directory and returns a :class:`Sandbox` whose ``exec`` runs commands there under limits.
+
+Invariants:
+- The original workspace is never modified; every sandbox works on its own copy (``Sandbox.workdir``).
+- ``bwrap`` (default): no network, read-only system, only ``/workspace`` (the copy) and a fresh ``/tmp``
+  writable, nothing of the host's home or project directories visible, clean environment, ``python3`` is the
+  host's base CPython. ``plain`` is unisolated and exists only as an explicit opt-in that warns.
+- Limits on every command: address space, CPU time, file size and open files (rlimits), and cgroup v1 memory
+  and pids limits where the machine has them; a wall-clock timeout kills the whole process tree and yields
+  exit status 124. Output is capped per stream with a visible marker.
+- Nothing outlives an ``exec``; ``close()`` (idempotent, also run at garbage collection and interpreter
+  exit) removes the workdir and the cgroups. Leftovers of crashed processes are swept on the next start.
+- ``read``/``write`` only touch files inside the workspace; escapes raise ``SandboxError``.
+"""
+
+from tandem.sandbox.base import ExecResult, Sandbox
+from tandem.sandbox.bwrap import BwrapSandbox, bwrap_available
+from tandem.sandbox.factory import create_sandbox
+from tandem.sandbox.plain import PlainSandbox
+
+__all__ = ["BwrapSandbox", "ExecResult", "PlainSandbox", "Sandbox", "bwrap_available", "create_sandbox"]

@@ -1,0 +1,398 @@
+"""The sandbox base class: private workspace copy, limited command execution, safe file access.
+
+Invariants:
+- ``workdir`` is a fresh private directory; the workspace given at creation is copied into it and never
+  touched again. :meth:`Sandbox.close` (also run by a finalizer and at interpreter exit) kills every process
+  of the sandbox, removes its cgroups and deletes ``workdir``; it is idempotent.
+- :meth:`Sandbox.exec` runs one command at a time per sandbox (a lock serializes exec/read/write/snapshot).
+  The command starts in a new session, inside the sandbox's cgroups and under its rlimits (see ``limits``).
+  When it exits, whatever it left running is killed; at the timeout the whole tree is killed and the result
+  is exit status 124 with ``timed_out=True`` and a note on stderr. Nothing survives an ``exec`` call.
+- Each of stdout and stderr keeps at most ``max_output_bytes``; the rest is drained and dropped, and a
+  visible marker line is appended. Output is decoded as UTF-8 with replacement characters.
+- ``read``/``write`` accept only relative paths that stay inside the workspace after resolving symlinks;
+  anything else raises :class:`SandboxError` naming the path.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from tandem.core.config import SandboxConfig
+from tandem.core.errors import SandboxError
+from tandem.sandbox.limits import MIB, Cgroup, _host_tag, _pid_alive, rlimit_script
+
+TIMEOUT_EXIT = 124
+SNAPSHOT_MAX_BYTES = 16 * MIB
+"""Total bytes :meth:`Sandbox.snapshot` returns at most; files past it (in sorted order) are left out."""
+_GRACE_S = 1.0  # how long pipes are drained after the command ended or was killed
+_CHUNK = 65536
+_swept_tmp = False
+
+
+@dataclass
+class ExecResult:
+    exit_code: int
+    """Exit status; 128+N when killed by signal N; 124 on timeout."""
+    stdout: str
+    stderr: str
+    timed_out: bool
+    truncated: bool
+    """Output was cut at ``max_output_bytes`` (a visible marker line is appended)."""
+    duration_s: float
+
+
+def _rmtree(path: Path) -> None:
+    def fix(func, p, exc):  # a command may have removed write permission from its own directories
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)
+            func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=fix)
+
+
+def _sweep_tmp() -> None:
+    """Delete workdirs that dead tandem processes on this host left in the temp dir (crashes), once."""
+    global _swept_tmp
+    if _swept_tmp:
+        return
+    _swept_tmp = True
+    prefix = f"tandem-sbx-{_host_tag()}-"
+    for p in Path(tempfile.gettempdir()).glob(prefix + "*"):
+        try:
+            pid = int(p.name[len(prefix) :].split("-")[0])
+        except ValueError:
+            continue
+        if not _pid_alive(pid):
+            _rmtree(p)
+
+
+def _cleanup(workdir: Path, cgroup: Cgroup) -> None:
+    cgroup.remove()
+    _rmtree(workdir)
+
+
+class Sandbox:
+    """Base class of sandbox backends; subclasses say how a command is wrapped (``_argv``, ``_env``)."""
+
+    backend = "base"
+    workdir: Path
+    """Host path of the private writable copy of the workspace."""
+
+    def __init__(self, workspace: dict[str, str] | Path, config: SandboxConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._closed = False
+        self._proc: subprocess.Popen[bytes] | None = None
+        _sweep_tmp()
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"tandem-sbx-{_host_tag()}-{os.getpid()}-"))
+        self._cgroup = Cgroup(config.memory_mb, config.pids)
+        self._finalizer = weakref.finalize(self, _cleanup, self.workdir, self._cgroup)
+        self._prelude = (
+            self._cgroup.join_script()
+            + rlimit_script(config, use_nproc=not self._cgroup.has_pids)
+            + 'exec "$@"\n'
+        )
+        try:
+            self._populate(workspace)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- backend hooks -------------------------------------------------------------------------
+    def _argv(self, cmd: list[str]) -> list[str]:
+        raise NotImplementedError
+
+    def _env(self) -> dict[str, str]:
+        raise NotImplementedError
+
+    def _cwd(self) -> Path:
+        return self.workdir
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def _populate(self, workspace: dict[str, str] | Path) -> None:
+        if isinstance(workspace, dict):
+            for path, content in workspace.items():
+                self._write(path, content)
+        elif isinstance(workspace, (str, os.PathLike)):
+            src = Path(workspace)
+            if not src.is_dir():
+                raise SandboxError(
+                    f"workspace directory {str(src)!r} does not exist; pass an existing directory"
+                )
+            shutil.copytree(src, self.workdir, symlinks=True, dirs_exist_ok=True)
+        else:
+            raise SandboxError(
+                f"workspace must be a dict (relative path -> text) or a directory path, got {type(workspace)}"
+            )
+
+    def close(self) -> None:
+        """Kill every remaining process of the sandbox and delete its workdir and cgroups. Idempotent."""
+        self._closed = True
+        proc = self._proc
+        if proc is not None:  # an exec running in another thread: kill it so it returns and frees the lock
+            self._kill_tree(proc)
+        with self._lock:
+            self._finalizer()
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError(f"sandbox {self.workdir} is closed; create a new one")
+
+    # ---- execution -----------------------------------------------------------------------------
+    def exec(self, cmd: list[str], timeout_s: float | None = None, stdin: str | None = None) -> ExecResult:
+        """Run ``cmd`` (argv list) with cwd = the workspace; a failing command is a result, not an error."""
+        if not isinstance(cmd, (list, tuple)) or not cmd or not all(isinstance(a, str) for a in cmd):
+            raise SandboxError(
+                f"command must be a non-empty list of strings, got {cmd!r}; e.g. ['python3', 'test.py']"
+            )
+        timeout = self.config.timeout_s if timeout_s is None else float(timeout_s)
+        if not timeout > 0:
+            raise SandboxError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        data = stdin.encode() if stdin is not None else None
+        with self._lock:
+            self._check_open()
+            start = time.monotonic()
+            argv = ["/bin/sh", "-c", self._prelude, "tandem-sandbox", *self._argv(list(cmd))]
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    cwd=self._cwd(),
+                    env=self._env(),
+                    start_new_session=True,
+                    close_fds=True,
+                )
+            except OSError as e:
+                raise SandboxError(f"could not start {argv[4:]!r}: {e}") from e
+            self._proc = proc
+            if self._closed:  # close() ran in another thread between our check and the start
+                self._kill_tree(proc)
+            try:
+                out, err, truncated, timed_out = self._communicate(proc, data, start + timeout)
+            finally:
+                self._kill_tree(proc)
+                try:
+                    proc.wait(timeout=5.0)
+                except subprocess.TimeoutExpired:  # unkillable (D state); do not hang the caller
+                    pass
+                for f in (proc.stdin, proc.stdout, proc.stderr):
+                    if f is not None:
+                        f.close()
+                self._proc = None
+            duration = time.monotonic() - start
+        code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
+        if code < 0:
+            code = 128 - code
+        if timed_out:
+            code = TIMEOUT_EXIT
+            err += f"\n[tandem sandbox: command timed out after {timeout:g} s; its process tree was killed]\n"
+        return ExecResult(code, out, err, timed_out, truncated, duration)
+
+    def _kill_tree(self, proc: subprocess.Popen[bytes]) -> None:
+        # Only while the session leader is unreaped: then its pid (= the group id) cannot have been reused.
+        if proc.returncode is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._cgroup.kill_all()
+
+    def _communicate(
+        self, proc: subprocess.Popen[bytes], data: bytes | None, deadline: float
+    ) -> tuple[str, str, bool, bool]:
+        assert proc.stdout is not None and proc.stderr is not None
+        cap = self.config.max_output_bytes
+        bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+        cut = dict.fromkeys(bufs, False)
+        sel = selectors.DefaultSelector()
+        for fd in bufs:
+            sel.register(fd, selectors.EVENT_READ, "out")
+        try:
+            pidfd: int | None = os.pidfd_open(proc.pid)
+            sel.register(pidfd, selectors.EVENT_READ, "exit")
+        except (AttributeError, OSError):
+            pidfd = None
+        pos = 0
+        if data is not None and proc.stdin is not None:
+            if data:
+                os.set_blocking(proc.stdin.fileno(), False)
+                sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE, "in")
+            else:
+                proc.stdin.close()
+        open_outputs, exited, timed_out = 2, False, False
+        drain_until: float | None = None
+        try:
+            while open_outputs or not exited:
+                now = time.monotonic()
+                end = deadline if drain_until is None else drain_until
+                if now >= end:
+                    if drain_until is not None:
+                        break  # leftovers we could not kill still hold the pipes: stop waiting for them
+                    timed_out = True
+                    self._kill_tree(proc)
+                    drain_until = now + _GRACE_S
+                    continue
+                wait = end - now if pidfd is not None else min(end - now, 0.01)
+                for key, _ in sel.select(wait):
+                    fd = key.fd
+                    if key.data == "exit":
+                        sel.unregister(fd)
+                        exited = True
+                        self._kill_tree(proc)  # whatever it left behind would otherwise hold the pipes
+                        if drain_until is None:
+                            drain_until = time.monotonic() + _GRACE_S
+                    elif key.data == "in":
+                        assert data is not None and proc.stdin is not None
+                        try:
+                            pos += os.write(fd, data[pos : pos + _CHUNK])
+                        except BlockingIOError:
+                            pass
+                        except BrokenPipeError:  # the command stopped reading: drop the rest of stdin
+                            pos = len(data)
+                        if pos >= len(data):
+                            sel.unregister(fd)
+                            proc.stdin.close()
+                    else:
+                        chunk = os.read(fd, _CHUNK)
+                        if not chunk:
+                            sel.unregister(fd)
+                            open_outputs -= 1
+                            continue
+                        buf = bufs[fd]
+                        room = cap - len(buf)
+                        if room > 0:
+                            buf += chunk[:room]
+                        if len(chunk) > room:
+                            cut[fd] = True
+                if pidfd is None and not exited and _exited_unreaped(proc.pid):
+                    exited = True
+                    self._kill_tree(proc)
+                    drain_until = drain_until or time.monotonic() + _GRACE_S
+        finally:
+            sel.close()
+            if pidfd is not None:
+                os.close(pidfd)
+        texts = []
+        for fd, buf in bufs.items():
+            text = buf.decode("utf-8", errors="replace")
+            if cut[fd]:
+                text += f"\n[... output truncated at {cap} bytes ...]\n"
+            texts.append(text)
+        return texts[0], texts[1], any(cut.values()), timed_out
+
+    # ---- files ---------------------------------------------------------------------------------
+    def _resolve(self, path: str) -> Path:
+        if not isinstance(path, str) or not path or "\x00" in path:
+            raise SandboxError(f"path must be a non-empty string, got {path!r}")
+        p = PurePosixPath(path)
+        if p.is_absolute():
+            raise SandboxError(
+                f"path {path!r} is absolute; pass a path relative to the workspace, e.g. 'solution.py'"
+            )
+        if ".." in p.parts:
+            raise SandboxError(f"path {path!r} contains '..'; pass a path inside the workspace")
+        full = self.workdir / p
+        root = Path(os.path.realpath(self.workdir))
+        real = Path(os.path.realpath(full))
+        if real != root and root not in real.parents:
+            raise SandboxError(f"path {path!r} leads outside the workspace through a symlink; refusing")
+        return real
+
+    def read(self, path: str) -> str:
+        """Text of workspace file ``path`` (relative); undecodable bytes become U+FFFD."""
+        with self._lock:
+            self._check_open()
+            real = self._resolve(path)
+            if not real.is_file():
+                what = "is a directory" if real.is_dir() else "does not exist"
+                raise SandboxError(f"{path!r} {what} in the workspace; pass the path of a file")
+            limit = self.config.file_mb * MIB
+            if real.stat().st_size > limit:
+                raise SandboxError(
+                    f"{path!r} is larger than file_mb={self.config.file_mb} MiB; not reading it"
+                )
+            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as f:
+                return f.read(limit).decode("utf-8", errors="replace")
+
+    def write(self, path: str, content: str) -> None:
+        """Write text ``content`` to workspace file ``path`` (relative), creating parent directories."""
+        with self._lock:
+            self._check_open()
+            self._write(path, content)
+
+    def _write(self, path: str, content: str) -> None:
+        if not isinstance(content, str):
+            raise SandboxError(f"content of {path!r} must be str, got {type(content).__name__}")
+        data = content.encode()
+        if len(data) > self.config.file_mb * MIB:
+            raise SandboxError(
+                f"content for {path!r} is {len(data)} bytes, over file_mb={self.config.file_mb} MiB"
+            )
+        real = self._resolve(path)
+        if real.is_dir():
+            raise SandboxError(f"{path!r} is a directory in the workspace; pass a file path")
+        real.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+
+    def snapshot(self) -> dict[str, str]:
+        """All regular UTF-8 text files of the workspace (relative path -> content), capped in total."""
+        with self._lock:
+            self._check_open()
+            out: dict[str, str] = {}
+            total = 0
+            limit = self.config.file_mb * MIB
+            for dirpath, dirnames, filenames in os.walk(self.workdir):
+                dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+                for name in sorted(filenames):
+                    full = os.path.join(dirpath, name)
+                    try:
+                        st = os.lstat(full)
+                        if not os.path.isfile(full) or os.path.islink(full) or st.st_size > limit:
+                            continue
+                        if total + st.st_size > SNAPSHOT_MAX_BYTES:
+                            continue
+                        with open(full, "rb") as f:
+                            raw = f.read(limit)
+                        text = raw.decode("utf-8")
+                    except (OSError, UnicodeDecodeError):
+                        continue
+                    if "\x00" in text:
+                        continue
+                    total += len(raw)
+                    out[os.path.relpath(full, self.workdir)] = text
+            return out
+
+
+def _exited_unreaped(pid: int) -> bool:
+    """True when ``pid`` has exited, without reaping it (its pid stays reserved for ``killpg``)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return info is not None

@@ -1,0 +1,131 @@
+"""Atomic checkpoint directories and finding the latest one of a run.
+
+Layout of a run: ``<run_dir>/checkpoints/step_000010/``, ``.../step_000020/``, ``.../final/``. Each checkpoint
+directory is itself a loadable HF model directory (``config.json``, ``model.safetensors``, tokenizer files)
+plus the trainer's resumable state (``trainer_state.json``, ``optimizer.pt``, ``rng.pt``), so
+``tandem eval --model run/checkpoints/final`` and ``tandem train --resume`` both work on it.
+
+Invariants:
+- A checkpoint directory exists under its final name only when complete: it is written to a hidden temporary
+  sibling and renamed into place; ``trainer_state.json`` (carrying ``"complete": true``) is written last.
+- Replacing an existing checkpoint of the same name never leaves a moment with neither the old nor the new one
+  complete on disk except between two renames; a crash leaves at most a hidden ``.tmp``/``.old`` sibling that
+  :func:`latest_checkpoint` ignores and the next write cleans up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+STATE_FILE = "trainer_state.json"
+FORMAT = 1
+"""Version of the checkpoint format written by this module."""
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def checkpoint_path(run_dir: str | Path, version: int) -> Path:
+    """Directory of the checkpoint of policy version ``version`` in a run."""
+    return checkpoints_dir(run_dir) / f"step_{version:06d}"
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | Path) -> Iterator[Path]:
+    """Yield a fresh temporary directory; on normal exit rename it to ``target`` (replacing it)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    old = target.parent / f".{target.name}.old-{os.getpid()}"
+    for p in (tmp, old):
+        if p.exists():
+            shutil.rmtree(p)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_dir(tmp)
+        if target.exists():
+            os.rename(target, old)
+        os.rename(tmp, target)
+        _fsync_dir(target.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not target.exists():
+            os.rename(old, target)  # put the previous checkpoint back
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_state(ckpt_dir: str | Path, state: dict[str, Any]) -> None:
+    """Write ``trainer_state.json`` (call last: its presence with ``complete`` marks the checkpoint whole)."""
+    data = {"format": FORMAT, **state, "complete": True}
+    path = Path(ckpt_dir) / STATE_FILE
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_state(ckpt_dir: str | Path) -> dict[str, Any]:
+    """Read and check ``trainer_state.json`` of a checkpoint directory."""
+    path = Path(ckpt_dir) / STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{ckpt_dir} is not a trainer checkpoint (no {STATE_FILE}); pass a directory written by "
+            "Trainer.save_checkpoint, e.g. <run_dir>/checkpoints/step_000010"
+        )
+    data = json.loads(path.read_text())
+    if not data.get("complete"):
+        raise ValueError(f"checkpoint {ckpt_dir} is incomplete; resume from an earlier one")
+    if data.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {ckpt_dir} has format {data.get('format')}, this tandem reads {FORMAT}")
+    return data
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    try:
+        read_state(path)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run as ``(version, path)``, oldest first (hidden temporaries are ignored)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        if p.name.startswith(".") or not p.is_dir():
+            continue
+        try:
+            version = int(read_state(p)["version"])
+        except (OSError, ValueError, KeyError):
+            continue
+        # step_* and `final` can hold the same version (same weights); order ties deterministically.
+        found.append((version, p.name == "final", p))
+    found.sort(key=lambda t: (t[0], t[1], t[2].name))
+    return [(v, p) for v, _, p in found]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """Path of the complete checkpoint with the highest version under ``<run_dir>/checkpoints``, or None."""
+    cks = list_checkpoints(run_dir)
+    return cks[-1][1] if cks else None

@@ -1,0 +1,305 @@
+"""The GRPO trainer: groups in, one optimizer step, weights out through one publish seam.
+
+Invariants:
+- Master weights and optimizer state are float32 (AdamW with ``TrainConfig`` lr/betas/weight_decay). The
+  model runs in eval mode (no dropout), so the recomputed old logprobs equal the first forward's logprobs
+  and every ratio is exactly 1 before the update.
+- ``version`` is the number of ``step`` calls applied to the starting weights (0 = the base model, or what a
+  checkpoint recorded). Every successful ``step`` increments it by exactly one, also when no trajectory
+  carried signal; then the optimizer is not stepped (weights unchanged) and ``metrics["updated"] == 0``.
+- Loss normalisation is token-level over the step: the denominator is the number of sampled tokens of all
+  trajectories of all (non-empty) groups passed to ``step``. Trajectories with zero advantage are dropped
+  before the forward only when ``kl_coef == 0`` (then their gradient is exactly zero), so dropping is a pure
+  compute saving and never changes the update.
+- ``publish_state`` is the one seam through which weights leave the trainer: a dict of fresh numpy arrays
+  (never views of live parameters) by HF state-dict name; tied weights appear once.
+- Same checkpoint + same groups => bitwise the same next weights (model, optimizer, version, RNG restored).
+
+Global state: the constructor calls ``torch.manual_seed(config.seed)`` and
+``torch.set_num_threads(config.threads)``; ``load_checkpoint`` restores the torch, numpy and Python global RNG
+states. Nothing else global is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from tandem.core.config import TrainConfig
+from tandem.core.errors import ModelLoadError
+from tandem.core.records import Group
+from tandem.train.advantages import group_advantages, is_zero_variance
+from tandem.train.batching import SequenceInput, pack, token_logprobs
+from tandem.train.checkpoint import atomic_dir, read_state, write_state
+from tandem.train.loss import grpo_loss
+
+log = logging.getLogger(__name__)
+
+PUBLISH_DTYPES = ("float32", "bfloat16")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+"""Files copied verbatim from the base model directory into every exported model and checkpoint."""
+
+
+def load_causal_lm(path: str | Path) -> PreTrainedModel:
+    """Load a local HF causal LM in float32 (master weights)."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"model path {p} has no config.json; pass a local HF model directory")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"could not load model from {p}: {e}") from e
+    return model
+
+
+def _sampled_count(seg_mask: np.ndarray) -> int:
+    """Sampled tokens that can be trained on (a segment's first token has no context; see batching)."""
+    return int(seg_mask[1:].sum()) if len(seg_mask) > 1 else 0
+
+
+class Trainer:
+    """GRPO trainer over a local HF causal LM (see module invariants).
+
+    ``publish_dtype`` is "float32" (arrays are float32) or "bfloat16" (numpy has no bfloat16: arrays are
+    ``uint16`` holding the bfloat16 bit patterns; ``torch.from_numpy(a).view(torch.bfloat16)`` recovers them).
+    """
+
+    def __init__(self, model_path: str, config: TrainConfig, publish_dtype: str = "float32") -> None:
+        if publish_dtype not in PUBLISH_DTYPES:
+            raise ValueError(f"publish_dtype must be one of {PUBLISH_DTYPES}, got {publish_dtype!r}")
+        self.model_path = Path(model_path)
+        self.config = config
+        self.publish_dtype = publish_dtype
+        torch.set_num_threads(config.threads)
+        torch.manual_seed(config.seed)
+        self.model = load_causal_lm(self.model_path)
+        self.model.eval()
+        self.ref_model: PreTrainedModel | None = None
+        if config.kl_coef != 0.0:
+            self.ref_model = load_causal_lm(self.model_path)  # the initial policy, also after a resume
+            self.ref_model.eval().requires_grad_(False)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay
+        )
+        self.version = 0
+        self._publish_names, self.tied_names = self._plan_publish()
+
+    # ------------------------------------------------------------------ training
+    def step(self, groups: list[Group]) -> dict[str, float]:
+        """One optimizer step on these groups; returns metrics (see the class invariants for edge cases)."""
+        if not groups:
+            raise ValueError("Trainer.step got an empty list of groups; pass at least one Group")
+        t0 = time.perf_counter()
+        cfg = self.config
+        drop_zero = cfg.kl_coef == 0.0
+        seqs: list[SequenceInput] = []
+        rewards: list[float] = []
+        total_sampled = samples = zero_groups = skipped_groups = dropped = 0
+        for gi, g in enumerate(groups):
+            r = g.rewards()
+            rewards.extend(r.tolist())
+            counts = [sum(_sampled_count(s.loss_mask) for s in t.segments) for t in g.trajectories]
+            if sum(counts) == 0:
+                skipped_groups += 1
+                continue
+            zero_groups += int(is_zero_variance(r))
+            adv = group_advantages(r)
+            for ti, t in enumerate(g.trajectories):
+                samples += 1
+                total_sampled += counts[ti]
+                if counts[ti] == 0 or (drop_zero and adv[ti] == 0.0):
+                    dropped += 1
+                    continue
+                for seg in t.segments:
+                    if _sampled_count(seg.loss_mask):
+                        seqs.append(SequenceInput(seg, float(adv[ti]), gi, ti))
+        rw = np.asarray(rewards, np.float64)
+        metrics: dict[str, float] = {
+            "loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "ratio_mean": 1.0, "approx_kl": 0.0,
+            "entropy": 0.0, "mismatch_kl": 0.0, "tokens": 0, "sampled_tokens": total_sampled,
+            "trained_tokens": 0, "samples": samples, "dropped_samples": dropped, "groups": len(groups),
+            "zero_adv_groups": zero_groups, "skipped_groups": skipped_groups, "micro_batches": 0,
+            "reward_mean": float(rw.mean()) if rw.size else 0.0,
+            "reward_std": float(rw.std()) if rw.size else 0.0, "updated": 0,
+        }  # fmt: skip
+        if seqs:
+            self._update(seqs, total_sampled, metrics)
+        self.version += 1
+        metrics["version"] = self.version
+        metrics["step_time_s"] = time.perf_counter() - t0
+        return metrics
+
+    def _update(self, seqs: list[SequenceInput], total_sampled: int, metrics: dict[str, float]) -> None:
+        cfg = self.config
+        mbs = pack(seqs, cfg.micro_batch_tokens)
+        olds, refs = [], []
+        ent_sum = mis_sum = mis_n = 0.0
+        with torch.no_grad():  # old logprobs: the current weights, before this update
+            for mb in mbs:
+                out = token_logprobs(self.model, mb, with_entropy=True)
+                olds.append(out.logprobs)
+                assert out.entropy is not None
+                ent_sum += float((out.entropy * mb.loss_mask).sum())
+                ok = (mb.loss_mask > 0) & torch.isfinite(mb.sampler_logprobs)
+                log_ratio = out.logprobs[ok] - mb.sampler_logprobs[ok]  # log p_trainer - log p_sampler
+                mis_sum += float((torch.expm1(log_ratio) - log_ratio).sum())
+                mis_n += int(ok.sum())
+                if self.ref_model is not None:
+                    refs.append(token_logprobs(self.ref_model, mb).logprobs)
+        trained = sum(mb.num_sampled for mb in mbs)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        weighted = {"clip_frac": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0, "kl_ref": 0.0}
+        for k, mb in enumerate(mbs):
+            lp = token_logprobs(self.model, mb).logprobs
+            loss, m = grpo_loss(
+                lp, olds[k], mb.advantages, mb.loss_mask, cfg.clip_eps,
+                ref_logprobs=refs[k] if refs else None, kl_coef=cfg.kl_coef, num_tokens=total_sampled,
+            )  # fmt: skip
+            loss.backward()
+            loss_sum += float(loss.detach())
+            for key in weighted:
+                weighted[key] += m.get(key, 0.0) * m["tokens"]
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            metrics["updated"] = 1
+        else:  # one bad batch must not destroy the weights: skip it and say so
+            log.warning("non-finite grad norm %s at version %d: step skipped", grad_norm, self.version)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ref_model is None:
+            del weighted["kl_ref"]
+        n = max(trained, 1)
+        metrics.update({k: v / n for k, v in weighted.items()})
+        metrics.update(
+            loss=loss_sum,
+            grad_norm=grad_norm,
+            tokens=sum(mb.num_tokens for mb in mbs),
+            trained_tokens=trained,
+            micro_batches=len(mbs),
+            entropy=ent_sum / n,
+            mismatch_kl=mis_sum / max(mis_n, 1),
+        )
+
+    # ------------------------------------------------------------------ publishing
+    def _plan_publish(self) -> tuple[list[str], dict[str, str]]:
+        names: list[str] = []
+        tied: dict[str, str] = {}
+        seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if key in seen:
+                tied[name] = seen[key]
+            else:
+                seen[key] = name
+                names.append(name)
+        return names, tied
+
+    def publish_state(self) -> dict[str, np.ndarray]:
+        """All parameters and persistent buffers by HF state-dict name, as fresh numpy arrays in the publish
+        dtype (bfloat16 as uint16 bit patterns, see the class docstring). Tied weights appear once, under the
+        first name in state-dict order; ``self.tied_names`` maps each omitted name to the published one."""
+        sd = self.model.state_dict()
+        out: dict[str, np.ndarray] = {}
+        with torch.no_grad():
+            for name in self._publish_names:
+                t = sd[name].detach()
+                if t.is_floating_point():
+                    if self.publish_dtype == "bfloat16":
+                        out[name] = t.to(torch.bfloat16).contiguous().view(torch.uint16).numpy().copy()
+                    else:
+                        out[name] = t.to(torch.float32).contiguous().numpy().copy()
+                else:
+                    out[name] = t.contiguous().numpy().copy()
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def _write_model_dir(self, path: Path) -> None:
+        self.model.save_pretrained(path)
+        for name in TOKENIZER_FILES:
+            src = self.model_path / name
+            if src.is_file():
+                shutil.copy2(src, path / name)
+
+    def export_model(self, path: str | Path) -> Path:
+        """Atomically write an HF model directory (float32 weights, config, base model tokenizer files)."""
+        with atomic_dir(path) as tmp:
+            self._write_model_dir(tmp)
+        return Path(path)
+
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Atomically write a resumable checkpoint that is also a loadable HF model directory."""
+        with atomic_dir(path) as tmp:
+            self._write_model_dir(tmp)
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save({"torch": torch.get_rng_state()}, tmp / "rng.pt")
+            np_state = np.random.get_state(legacy=False)
+            np_state["state"]["key"] = np_state["state"]["key"].tolist()
+            py_state = random.getstate()
+            (tmp / "rng.json").write_text(json.dumps({"numpy": np_state, "python": py_state}))
+            write_state(
+                tmp,
+                {
+                    "version": self.version,
+                    "base_model": str(self.model_path),
+                    "publish_dtype": self.publish_dtype,
+                    "config": self.config.model_dump(mode="json"),
+                },
+            )
+        return Path(path)
+
+    def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
+        """Restore model, optimizer, version and RNG states written by ``save_checkpoint``.
+
+        Everything is read and checked before anything is changed: a mismatched checkpoint raises and leaves
+        the trainer as it was."""
+        path = Path(path)
+        state = read_state(path)
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = ["model.safetensors"]
+        sd: dict[str, torch.Tensor] = {}
+        for f in files:
+            sd.update(load_file(str(path / f)))
+        own = self.model.state_dict()
+        missing = [k for k in own if k not in sd and k not in self.tied_names]
+        unexpected = [k for k in sd if k not in own]
+        shapes = [k for k in sd if k in own and sd[k].shape != own[k].shape]
+        if missing or unexpected or shapes:
+            raise ValueError(
+                f"checkpoint {path} does not match the model from {self.model_path}: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}, wrong shape {shapes[:5]}; resume with the run's base model"
+            )
+        optim_state = torch.load(path / "optimizer.pt", weights_only=True)
+        rng = torch.load(path / "rng.pt", weights_only=True)
+        rj = json.loads((path / "rng.json").read_text())
+        self.model.load_state_dict(sd, strict=False)
+        self.optimizer.load_state_dict(optim_state)
+        torch.set_rng_state(rng["torch"])
+        np_state = rj["numpy"]
+        np_state["state"]["key"] = np.asarray(np_state["state"]["key"], dtype=np.uint32)
+        np.random.set_state(np_state)
+        py = rj["python"]
+        random.setstate((py[0], tuple(py[1]), py[2]))
+        self.version = int(state["version"])
+        if state.get("config") != self.config.model_dump(mode="json"):
+            log.warning("resuming %s with a different train config than it was saved with", path)
+        return state

@@ -1,0 +1,55 @@
+"""The publish/apply seam between trainer and engines.
+
+Invariants: ``WeightUpdate.weights_hash`` is the SHA-256 over every tensor's name, dtype, shape and bytes in
+name order; ``verify_update`` recomputes it and raises ``ValueError`` naming the version on mismatch, so an
+engine never applies weights whose content differs from what the trainer published. Versions are monotone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class WeightUpdate:
+    """Full weights of one policy version, as plain numpy arrays (they cross the Ray object store as is)."""
+
+    version: int
+    weights_hash: str
+    tensors: dict[str, np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(t.nbytes) for t in self.tensors.values())
+
+
+def tensors_hash(tensors: dict[str, np.ndarray]) -> str:
+    """Content hash of a name -> array mapping, independent of insertion order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        arr = np.ascontiguousarray(tensors[name])
+        h.update(name.encode())
+        h.update(str(arr.dtype).encode())
+        h.update(str(arr.shape).encode())
+        h.update(memoryview(arr).cast("B"))
+    return h.hexdigest()
+
+
+def make_update(version: int, tensors: dict[str, np.ndarray]) -> WeightUpdate:
+    """Wrap the trainer's published tensors as an update with their content hash."""
+    if version < 0:
+        raise ValueError(f"version must be >= 0, got {version}")
+    return WeightUpdate(version, tensors_hash(tensors), tensors)
+
+
+def verify_update(update: WeightUpdate) -> None:
+    """Raise ValueError if the tensors do not hash to the recorded hash."""
+    actual = tensors_hash(update.tensors)
+    if actual != update.weights_hash:
+        raise ValueError(
+            f"weight update for version {update.version} is corrupt: hash {actual[:12]} != "
+            f"recorded {update.weights_hash[:12]}; refetch the version"
+        )

@@ -1,0 +1,44 @@
+import pytest
+
+from tandem.core.config import RunConfig, dump_config, load_config
+from tandem.core.errors import ConfigError
+
+
+def test_defaults_validate_and_every_field_is_documented():
+    cfg = RunConfig()
+    for section_name, section in cfg:
+        for name, field in type(section).model_fields.items():
+            assert field.description, f"{section_name}.{name} has no docstring"
+
+
+def test_overrides_parse_toml_values(tmp_path):
+    cfg = load_config(overrides=["train.lr=1e-4", "orchestrator.mode=sync", "tasks.levels=[1]"])
+    assert cfg.train.lr == 1e-4 and cfg.orchestrator.mode == "sync" and cfg.tasks.levels == [1]
+    path = tmp_path / "c.toml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("train.lrr=1", "train.lrr"),
+        ("orchestrator.mode=fast", "orchestrator.mode"),
+        ("rollout.group_size=1", "group_size"),
+        ("train.lr=abc", "train.lr"),
+        ("rollout.top_p=0", "top_p"),
+        ("noequals", "key=value"),
+    ],
+)
+def test_invalid_config_names_the_field(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(overrides=[override])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nlr=")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)

@@ -1,0 +1,49 @@
+import math
+import pickle
+
+import numpy as np
+import pytest
+
+from tandem.core.records import Group, Message, Reward, Segment, SegmentBuilder, Trajectory
+
+
+def make_traj(versions, reward=1.0):
+    b = SegmentBuilder()
+    b.add_context([1, 2, 3])
+    b.add_sampled([4, 5], [-0.5, -1.0], versions)
+    return Trajectory(
+        "t1",
+        [b.build()],
+        Reward(reward, {"pass_fraction": reward}),
+        {"submitted": True},
+        {"total_s": 1.0},
+        {"turns": 1},
+        [Message("user", "hi")],
+    )
+
+
+def test_segment_builder_keeps_invariants():
+    seg = make_traj([3, 4]).segments[0]
+    assert seg.token_ids.tolist() == [1, 2, 3, 4, 5]
+    assert seg.loss_mask.tolist() == [0, 0, 0, 1, 1]
+    assert all(math.isnan(x) for x in seg.sampler_logprobs[:3])
+    assert seg.versions.tolist() == [-1, -1, -1, 3, 4]
+    assert seg.oldest_version() == 3
+
+
+def test_segment_rejects_ragged_arrays():
+    with pytest.raises(ValueError, match="loss_mask"):
+        Segment(np.zeros(3, np.int32), np.zeros(2, np.uint8), np.zeros(3, np.float32), np.zeros(3, np.int32))
+    with pytest.raises(ValueError):
+        SegmentBuilder().add_sampled([1], [0.0, 0.0], [0])
+
+
+def test_group_round_trips_through_dicts_and_pickle():
+    g = Group("t1", [make_traj([2, 2], 1.0), make_traj([1, 2], 0.0)])
+    back = Group.from_dict(pickle.loads(pickle.dumps(g.to_dict())))
+    assert back.oldest_version() == 1
+    assert back.rewards().tolist() == [1.0, 0.0]
+    a, b = g.trajectories[1].segments[0], back.trajectories[1].segments[0]
+    np.testing.assert_array_equal(a.token_ids, b.token_ids)
+    np.testing.assert_array_equal(a.sampler_logprobs, b.sampler_logprobs)
+    assert back.trajectories[0].messages[0].content == "hi"

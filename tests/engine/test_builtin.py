@@ -1,0 +1,277 @@
+"""Tests of the built-in engine against the transformers model it wraps (tiny random models, CPU)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from tandem.core.config import EngineConfig
+from tandem.core.errors import EngineError, ModelLoadError
+from tandem.core.generation import GenerationRequest, SamplingParams
+from tandem.engine import BuiltinEngine
+from tandem.engine.runner import FastRunner, HFRunner
+
+V = 512
+SMALL = dict(
+    vocab_size=V,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+)
+
+
+def qwen3(seed: int = 0) -> Qwen3ForCausalLM:
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=16, tie_word_embeddings=True)).eval()
+
+
+def make(kind: str):
+    torch.manual_seed(0)
+    if kind == "qwen3":
+        return qwen3()
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**SMALL, tie_word_embeddings=False)).eval()
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**SMALL, tie_word_embeddings=False)).eval()
+    return GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=256)).eval()
+
+
+def prompts(n: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, V, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
+
+
+def req(ids, n=8, t=0.0, p=1.0, seed=None, stop=()):
+    return GenerationRequest(
+        ids, SamplingParams(max_new_tokens=n, temperature=t, top_p=p, seed=seed, stop_token_ids=list(stop))
+    )
+
+
+@pytest.fixture
+def engine():
+    eng = BuiltinEngine(qwen3(), EngineConfig(max_batch=8, max_seq_len=256))
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def hf_logprobs(model, prompt, tokens, temperature=1.0, top_p=1.0) -> list[float]:
+    """Recompute the sampler's logprobs with the HF model, per the documented temperature/top-p semantics."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].double()
+    logp = torch.log_softmax(logits / temperature, -1)
+    if top_p < 1.0:
+        sp, order = logp.sort(-1, descending=True)
+        before = sp.exp().cumsum(-1) - sp.exp()
+        drop = torch.zeros_like(before, dtype=torch.bool).scatter_(1, order, before >= top_p)
+        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), -1)
+    return logp.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
+def test_fast_forward_matches_hf_logits(kind):
+    model = make(kind)
+    runner = FastRunner(model, max_slots=4, max_seq_len=64)
+    ps = prompts(3)
+    nxt = [[5, 9, 11], [7, 1, 2], [300, 4, 8]]
+    with torch.inference_mode():
+        got = [runner.prefill(0, ps)]
+        for step in range(3):
+            got.append(runner.decode(torch.tensor([nxt[j][step] for j in range(3)])))
+        for j, p in enumerate(ps):
+            ref = model(torch.tensor([p + nxt[j]])).logits[0, len(p) - 1 :]
+            mine = torch.stack([g[j] for g in got])
+            assert torch.allclose(mine, ref, atol=1e-4), (kind, (mine - ref).abs().max())
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gpt2"])
+def test_greedy_equals_hf_generate(kind):
+    model = make(kind)
+    eng = BuiltinEngine(model, EngineConfig(max_batch=4, max_seq_len=128))
+    assert isinstance(eng._runner, FastRunner if kind == "qwen3" else HFRunner)
+    ps = prompts(3)
+    try:
+        outs = eng.generate([req(p, n=12) for p in ps])
+    finally:
+        eng.stop()
+    for p, c in zip(ps, outs, strict=True):
+        with torch.no_grad():
+            ref = model.generate(
+                torch.tensor([p]),
+                do_sample=False,
+                max_new_tokens=12,
+                min_new_tokens=12,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+        assert c.token_ids == ref[0, len(p) :].tolist()
+        assert c.finish_reason == "length" and c.logprobs == [0.0] * 12 and c.versions == [0] * 12
+
+
+def test_continuous_batching_matches_running_alone(engine):
+    ps = prompts(6, seed=3)
+    alone = [engine.generate([req(p, n=10 + 5 * i)])[0] for i, p in enumerate(ps[:3])]
+    alone += [engine.generate([req(p, n=12, t=1.0, seed=100 + i)])[0] for i, p in enumerate(ps[3:])]
+    long = engine.submit(req(ps[0], n=200))
+    first = [engine.submit(req(p, n=10 + 5 * i)) for i, p in enumerate(ps[:3])]
+    first[0].result()
+    later = [engine.submit(req(p, n=12, t=1.0, seed=100 + i)) for i, p in enumerate(ps[3:])]
+    got = [f.result() for f in first + later]
+    assert [c.token_ids for c in got] == [c.token_ids for c in alone]
+    assert [len(c.token_ids) for c in got] == [10, 15, 20, 12, 12, 12]
+    assert long.result().finish_reason == "length" and len(long.result().token_ids) == 200
+    assert engine.stats()["tokens_generated"] >= 2 * sum(len(c.token_ids) for c in got)
+
+
+def test_logprobs_match_hf_recomputation(engine):
+    model = engine.model
+    for t, p in [(1.0, 1.0), (0.7, 0.8), (1.3, 0.5)]:
+        ps = prompts(3, seed=7)
+        outs = engine.generate([req(q, n=16, t=t, p=p, seed=i) for i, q in enumerate(ps)])
+        for q, c in zip(ps, outs, strict=True):
+            ref = hf_logprobs(model, q, c.token_ids, t, p)
+            assert np.all(np.isfinite(ref)), "a sampled token lies outside the top-p nucleus"
+            np.testing.assert_allclose(c.logprobs, ref, atol=1e-4)
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    p = prompts(1)[0]
+    a, b, c = engine.generate(
+        [req(p, n=20, t=1.0, seed=5), req(p, n=20, t=1.0, seed=5), req(p, n=20, t=1.0, seed=6)]
+    )
+    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.token_ids != c.token_ids
+    e2 = BuiltinEngine(qwen3(), EngineConfig(max_batch=8, max_seq_len=256), seed=0)
+    e3 = BuiltinEngine(qwen3(), EngineConfig(max_batch=8, max_seq_len=256), seed=0)
+    try:
+        x = e2.generate([req(p, n=20, t=1.0) for _ in range(2)])
+        y = e3.generate([req(p, n=20, t=1.0) for _ in range(2)])
+    finally:
+        e2.stop()
+        e3.stop()
+    assert [c.token_ids for c in x] == [c.token_ids for c in y] and x[0].token_ids != x[1].token_ids
+
+
+def test_update_weights_mid_generation(engine):
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    fut = engine.submit(req([1, 2, 3], n=250, t=1.0, seed=0))
+    while engine.health()["active"] == 0 and not fut.done():
+        time.sleep(0.001)
+    new = {k: (v * 1.5).numpy() for k, v in before.items() if k.endswith("mlp.down_proj.weight")}
+    engine.update_weights(1, new)
+    assert engine.version == 1
+    c = fut.result()
+    assert c.versions[0] == 0 and c.versions[-1] == 1 and c.versions == sorted(c.versions)
+    assert len(c.token_ids) == len(c.logprobs) == len(c.versions) == 250
+    # New requests run on version 1 with the new weights, greedy equal to HF with the updated params.
+    p = prompts(1)[0]
+    out = engine.generate([req(p, n=6)])[0]
+    assert out.versions == [1] * 6
+    for k, v in new.items():
+        assert torch.equal(engine.model.state_dict()[k], torch.from_numpy(v))
+    with torch.no_grad():
+        ref = engine.model.generate(
+            torch.tensor([p]), do_sample=False, max_new_tokens=6, pad_token_id=0, eos_token_id=None
+        )
+    assert out.token_ids == ref[0, len(p) :].tolist()
+
+
+def test_bad_update_raises_and_changes_nothing(engine):
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    p = prompts(1)[0]
+    ref = engine.generate([req(p, n=8)])[0]
+    good = {"model.norm.weight": np.zeros(64, np.float32)}
+    with pytest.raises(EngineError, match="q_proj.weight"):
+        engine.update_weights(
+            3, {**good, "model.layers.0.self_attn.q_proj.weight": np.zeros((3, 3), np.float32)}
+        )
+    with pytest.raises(EngineError, match="no.such.weight"):
+        engine.update_weights(3, {**good, "no.such.weight": np.zeros(1, np.float32)})
+    assert engine.version == 0
+    assert all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
+    again = engine.generate([req(p, n=8)])[0]
+    assert again.token_ids == ref.token_ids and again.versions == [0] * 8
+
+
+def test_bad_requests_get_error_completions(engine):
+    p = prompts(1)[0]
+    bad = [
+        req([]),
+        req([1, V + 5]),
+        req([-1]),
+        req(list(range(300))),
+        req(p, p=0.0),
+        req(p, n=0),
+        req(p, t=-1.0),
+    ]
+    outs = engine.generate([*bad, req(p, n=5)])
+    assert [c.finish_reason for c in outs] == ["error"] * len(bad) + ["length"]
+    assert all(c.error and c.token_ids == [] for c in outs[:-1])
+    assert "outside the vocabulary" in outs[1].error and "max_seq_len" in outs[3].error
+    assert engine.health() == {"ok": True, "version": 0, "active": 0, "queued": 0}
+    assert len(engine.generate([req(p, n=5)])[0].token_ids) == 5
+
+
+def test_bfloat16_serves():
+    eng = BuiltinEngine(qwen3(), EngineConfig(max_batch=4, max_seq_len=64), dtype="bfloat16")
+    try:
+        outs = eng.generate([req(p, n=6, t=1.0, seed=i) for i, p in enumerate(prompts(3))])
+    finally:
+        eng.stop()
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 6 for c in outs)
+    assert all(np.isfinite(c.logprobs).all() and max(c.logprobs) <= 0 for c in outs)
+    with pytest.raises(EngineError, match="float16"):
+        BuiltinEngine(qwen3(), EngineConfig(), dtype="float16")
+
+
+def test_clamp_to_cache_and_stop_token():
+    eng = BuiltinEngine(qwen3(), EngineConfig(max_batch=2, max_seq_len=32))
+    try:
+        p = prompts(1)[0][:10]
+        c = eng.generate([req(p, n=100)])[0]
+        assert c.finish_reason == "length" and len(c.token_ids) == 32 - len(p)
+        stop_tok = c.token_ids[4]
+        k = c.token_ids.index(stop_tok)
+        s = eng.generate([req(p, n=100, stop=[stop_tok])])[0]
+        assert s.finish_reason == "stop" and s.token_ids == c.token_ids[: k + 1]
+    finally:
+        eng.stop()
+
+
+def test_stop_fails_pending_and_from_path(tmp_path):
+    eng = BuiltinEngine(qwen3(), EngineConfig(max_batch=1, max_seq_len=256))
+    futs = [eng.submit(req([1, 2], n=200)) for _ in range(4)]
+    eng.stop()
+    outs = [f.result(timeout=30) for f in futs]
+    assert any(c.error == "engine stopped" for c in outs)
+    assert eng.submit(req([1])).result().finish_reason == "error"
+    assert eng.health()["ok"] is False
+    st = eng.stats()
+    assert set(st) == {"busy_s", "uptime_s", "tokens_generated", "prefill_tokens", "steps"}
+
+    with pytest.raises(ModelLoadError, match="nope"):
+        BuiltinEngine.from_path(tmp_path / "nope", EngineConfig())
+    qwen3().save_pretrained(tmp_path / "m")
+    loaded = BuiltinEngine.from_path(tmp_path / "m", EngineConfig(max_batch=2, max_seq_len=64))
+    try:
+        out = loaded.generate([req([1, 2, 3], n=4)])[0]
+    finally:
+        loaded.stop()
+    assert len(out.token_ids) == 4 and isinstance(loaded._runner, FastRunner)

@@ -1,0 +1,136 @@
+"""Checkpoints: bitwise resume, atomic writes, latest checkpoint; checkpoints and exports load as HF dirs."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from tandem.core.config import TrainConfig
+from tandem.core.records import Group, Reward, SegmentBuilder, Trajectory
+from tandem.train.checkpoint import atomic_dir, checkpoint_path, latest_checkpoint, read_state
+from tandem.train.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, tie_word_embeddings=True,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny")
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    vocab = {f"w{i}": i for i in range(500)} | {"<unk>": 500}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
+    return str(path)
+
+
+def _config():
+    return TrainConfig(lr=1e-2, micro_batch_tokens=16, seed=0, threads=1, kl_coef=0.05)
+
+
+def _groups(seed):
+    rng = np.random.default_rng(seed)
+    groups = []
+    for gi in range(2):
+        trajs = []
+        for _ in range(4):
+            b = SegmentBuilder()
+            b.add_context(rng.integers(0, 512, 4).tolist())
+            b.add_sampled(rng.integers(0, 512, 3).tolist(), [-6.0] * 3, [0] * 3)
+            trajs.append(Trajectory(f"g{gi}", [b.build()], Reward(float(rng.integers(0, 2)))))
+        groups.append(Group(f"g{gi}", trajs))
+    return groups
+
+
+def _weights(trainer):
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def test_resume_is_bitwise_identical_to_uninterrupted_run(model_dir, tmp_path):
+    a = Trainer(model_dir, _config())
+    a.step(_groups(0))
+    ck = a.save_checkpoint(checkpoint_path(tmp_path, a.version))
+    a.step(_groups(1))
+    a.step(_groups(2))
+
+    b = Trainer(model_dir, _config())
+    state = b.load_checkpoint(ck)
+    assert state["version"] == 1 == b.version
+    b.step(_groups(1))
+    b.step(_groups(2))
+    assert b.version == a.version == 3
+    wa, wb = _weights(a), _weights(b)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    sa, sb = a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"]
+    assert all(torch.equal(sa[i][key], sb[i][key]) for i in sa for key in sa[i])
+
+
+def test_checkpoint_and_export_are_hf_model_dirs(model_dir, tmp_path):
+    t = Trainer(model_dir, _config())
+    t.step(_groups(0))
+    for path in (t.save_checkpoint(tmp_path / "checkpoints" / "final"), t.export_model(tmp_path / "export")):
+        loaded = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        w = _weights(t)
+        assert all(torch.equal(v, w[k]) for k, v in loaded.state_dict().items())
+        assert AutoTokenizer.from_pretrained(path).convert_tokens_to_ids("w7") == 7
+    assert read_state(tmp_path / "checkpoints" / "final")["version"] == 1
+    with pytest.raises(FileNotFoundError, match="not a trainer checkpoint"):
+        read_state(tmp_path / "export")
+
+
+def test_latest_checkpoint_ignores_partial_and_temporary_dirs(model_dir, tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    t = Trainer(model_dir, _config())
+    t.save_checkpoint(checkpoint_path(tmp_path, 0))
+    t.step(_groups(0))
+    t.save_checkpoint(checkpoint_path(tmp_path, 1))
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
+    # an incomplete directory with a higher version, and a crashed temporary, are both ignored
+    bad = checkpoint_path(tmp_path, 9)
+    bad.mkdir()
+    (bad / "trainer_state.json").write_text(json.dumps({"format": 1, "version": 9}))
+    (tmp_path / "checkpoints" / ".step_000010.tmp-1").mkdir()
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
+
+
+def test_atomic_dir_keeps_previous_checkpoint_on_failure(tmp_path):
+    target = tmp_path / "ck"
+    with atomic_dir(target) as d:
+        (d / "a.txt").write_text("old")
+    with pytest.raises(RuntimeError), atomic_dir(target) as d:
+        (d / "a.txt").write_text("new")
+        raise RuntimeError("crash while writing")
+    assert (target / "a.txt").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+    with atomic_dir(target) as d:  # replacing a complete one works
+        (d / "a.txt").write_text("new")
+    assert (target / "a.txt").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+
+
+def test_loading_a_mismatched_checkpoint_names_the_problem(model_dir, tmp_path):
+    other = Qwen3Config(
+        vocab_size=512, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, tie_word_embeddings=True,
+    )  # fmt: skip
+    src = tmp_path / "other"
+    Qwen3ForCausalLM(other).save_pretrained(src)
+    ck = Trainer(str(src), _config()).save_checkpoint(tmp_path / "ck")
+    trainer = Trainer(model_dir, _config())
+    before = _weights(trainer)
+    with pytest.raises(ValueError, match="does not match the model"):
+        trainer.load_checkpoint(ck)
+    after = _weights(trainer)
+    assert trainer.version == 0 and all(torch.equal(before[k], after[k]) for k in before)  # left untouched

@@ -1,0 +1,149 @@
+"""Trainer on a real tiny Qwen3: learning a rewarded token, publish seam, edge cases of a step."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from tandem.core.config import TrainConfig
+from tandem.core.records import Group, Reward, SegmentBuilder, Trajectory
+from tandem.train.trainer import Trainer
+
+VOCAB = 512
+REWARDED = 256  # reward 1 when the first sampled token id is < REWARDED (about half the mass at init)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, tie_word_embeddings=True,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("tiny")
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+def _config(**kw):
+    base = dict(lr=1e-2, micro_batch_tokens=64, seed=0, threads=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+PROMPTS = [[11, 22, 33], [44, 55, 66, 77], [88, 99]]
+
+
+def sample_groups(model, version, G=8, n_new=2, seed=0):
+    """Sample G completions per prompt from the model itself with plain torch (temperature 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = []
+    for pi, prompt in enumerate(PROMPTS):
+        ids = torch.tensor([prompt] * G)
+        lps = []
+        with torch.no_grad():
+            for _ in range(n_new):
+                logp = torch.log_softmax(model(ids, use_cache=False).logits[:, -1].float(), -1)
+                tok = torch.multinomial(logp.exp(), 1, generator=gen)
+                lps.append(logp.gather(-1, tok)[:, 0])
+                ids = torch.cat([ids, tok], 1)
+        trajs = []
+        for g in range(G):
+            b = SegmentBuilder()
+            b.add_context(prompt)
+            new = ids[g, len(prompt) :].tolist()
+            b.add_sampled(new, [float(lp[g]) for lp in lps], [version] * n_new)
+            trajs.append(Trajectory(f"p{pi}", [b.build()], Reward(1.0 if new[0] < REWARDED else 0.0)))
+        groups.append(Group(f"p{pi}", trajs))
+    return groups
+
+
+def rewarded_mass(model):
+    with torch.no_grad():
+        probs = [torch.softmax(model(torch.tensor([p])).logits[0, -1], -1)[:REWARDED].sum() for p in PROMPTS]
+    return float(torch.stack(probs).mean())
+
+
+def test_steps_increase_probability_of_rewarded_tokens(model_dir):
+    trainer = Trainer(model_dir, _config(lr=3e-2))
+    before = rewarded_mass(trainer.model)
+    for step in range(4):
+        m = trainer.step(sample_groups(trainer.model, trainer.version, seed=step))
+        assert m["updated"] == 1 and m["version"] == step + 1 == trainer.version
+        assert m["groups"] == 3 and m["samples"] == 24 and m["sampled_tokens"] == 48
+        assert np.isfinite(m["loss"]) and m["grad_norm"] > 0
+        # sampler logprobs came from the same weights: the trainer recomputes them (almost) exactly
+        assert m["mismatch_kl"] < 1e-6
+        assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and m["clip_frac"] == 0.0
+    after = rewarded_mass(trainer.model)
+    assert before < 0.55 and after > before + 0.2, (before, after)  # ~0.50 -> ~0.85
+
+
+def test_micro_batch_size_does_not_change_the_step(model_dir):
+    groups = sample_groups(Trainer(model_dir, _config()).model, 0)
+    small = Trainer(model_dir, _config(micro_batch_tokens=8)).step(groups)
+    big = Trainer(model_dir, _config(micro_batch_tokens=4096)).step(groups)
+    assert small["micro_batches"] > big["micro_batches"] == 1
+    assert small["loss"] == pytest.approx(big["loss"], abs=1e-6)
+    assert small["grad_norm"] == pytest.approx(big["grad_norm"], rel=1e-5)
+
+
+def _fixed_group(rewards, sampled=True):
+    trajs = []
+    for i, r in enumerate(rewards):
+        b = SegmentBuilder()
+        b.add_context([1, 2, 3 + i])
+        if sampled:
+            b.add_sampled([7, 8], [-6.0, -6.0], [0, 0])
+        trajs.append(Trajectory("t", [b.build()], Reward(r)))
+    return Group("t", trajs)
+
+
+def test_edge_cases_empty_no_tokens_and_zero_variance(model_dir):
+    trainer = Trainer(model_dir, _config())
+    with pytest.raises(ValueError, match="empty list of groups"):
+        trainer.step([])
+    before = {k: v.copy() for k, v in trainer.publish_state().items()}
+    m = trainer.step([_fixed_group([1, 1, 1]), _fixed_group([0, 1], sampled=False)])
+    assert m["updated"] == 0 and m["zero_adv_groups"] == 1 and m["skipped_groups"] == 1
+    assert m["dropped_samples"] == 3 and m["tokens"] == 0 and trainer.version == 1
+    after = trainer.publish_state()
+    assert all(np.array_equal(before[k], after[k]) for k in before)  # no signal: weights unchanged
+    m = trainer.step([_fixed_group([1, 0, 0.5]), _fixed_group([1, 1])])
+    # the 0.5 trajectory has advantage 0 and is dropped, but its tokens still count in the denominator
+    assert m["updated"] == 1 and m["dropped_samples"] == 3 and m["sampled_tokens"] == 10
+    assert m["trained_tokens"] == 4 and m["zero_adv_groups"] == 1
+
+
+def test_kl_to_reference_keeps_zero_advantage_samples(model_dir):
+    trainer = Trainer(model_dir, _config(kl_coef=0.1))
+    m = trainer.step([_fixed_group([1, 0, 0.5])])
+    assert m["dropped_samples"] == 0 and m["trained_tokens"] == 6 and m["kl_ref"] == pytest.approx(0.0)
+    m = trainer.step([_fixed_group([1, 0, 0.5])])
+    assert m["kl_ref"] > 0  # the policy moved away from the reference
+
+
+def test_publish_state_names_and_values(model_dir):
+    trainer = Trainer(model_dir, _config())
+    trainer.step(sample_groups(trainer.model, 0))
+    sd = trainer.model.state_dict()
+    pub = trainer.publish_state()
+    assert set(pub) | set(trainer.tied_names) == set(sd)
+    assert trainer.tied_names == {"lm_head.weight": "model.embed_tokens.weight"}
+    for name, arr in pub.items():
+        assert arr.dtype == np.float32 and np.array_equal(arr, sd[name].numpy())
+    # published arrays are copies: a later step does not change them
+    snapshot = {k: v.copy() for k, v in pub.items()}
+    trainer.step(sample_groups(trainer.model, 1, seed=1))
+    assert all(np.array_equal(snapshot[k], pub[k]) for k in pub)
+
+
+def test_publish_bfloat16_as_uint16_bits(model_dir):
+    trainer = Trainer(model_dir, _config(), publish_dtype="bfloat16")
+    pub = trainer.publish_state()
+    sd = trainer.model.state_dict()
+    for name, arr in pub.items():
+        assert arr.dtype == np.uint16
+        torch.testing.assert_close(torch.from_numpy(arr).view(torch.bfloat16), sd[name].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="publish_dtype"):
+        Trainer(model_dir, _config(), publish_dtype="float16")
