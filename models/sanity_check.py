@@ -35,7 +35,7 @@ def run_py(files: dict[str, str], test_name: str, test_src: str) -> tuple[str, i
             return "[timed out]", 124
 
 
-def session(model, chat, task, max_turns: int, max_tokens: int) -> dict:
+def session(model, chat, task, max_turns: int, max_tokens: int, verbose: bool = False) -> dict:
     files = dict(task.workspace)
     ids = chat.render_prompt(task.prompt, TOOLS)
     turns = good = 0
@@ -57,6 +57,8 @@ def session(model, chat, task, max_turns: int, max_tokens: int) -> dict:
         ids += new
         turns += 1
         _, calls, errors = chat.parse_assistant(new)
+        if verbose:
+            print(repr(chat.tokenizer.decode(new)), errors, file=sys.stderr)
         good += bool(calls) and not errors
         obs = []
         for c in calls:
@@ -90,12 +92,13 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--verbose", action="store_true", help="print every sampled turn to stderr")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model, _ = load_model(args.model)
     chat = load_chat_format(args.model)
-    res = [session(model, chat, t, 6, 1024) for t in task_split("heldout", 0, [1, 2, 3], args.tasks)]
+    res = [session(model, chat, t, 6, 1024, args.verbose) for t in task_split("heldout", 0, [1, 2, 3], args.tasks)]
     turns = sum(r["turns"] for r in res)
     summary = {
         "tasks": len(res),

@@ -264,7 +264,15 @@ def test_stop_fails_pending_and_from_path(tmp_path):
     assert eng.submit(req([1])).result().finish_reason == "error"
     assert eng.health()["ok"] is False
     st = eng.stats()
-    assert set(st) == {"busy_s", "uptime_s", "tokens_generated", "prefill_tokens", "steps"}
+    assert set(st) == {
+        "busy_s",
+        "uptime_s",
+        "tokens_generated",
+        "prefill_tokens",
+        "prefix_hit_tokens",
+        "parked",
+        "steps",
+    }
 
     with pytest.raises(ModelLoadError, match="nope"):
         BuiltinEngine.from_path(tmp_path / "nope", EngineConfig())

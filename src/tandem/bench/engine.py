@@ -96,7 +96,9 @@ def run(
         g = torch.Generator().manual_seed(0)
         prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g)
         n_params = sum(p.numel() for p in model.parameters())
-        config = EngineConfig(max_batch=max(batch, 1), max_seq_len=prompt_len + new_tokens, threads=threads)
+        config = EngineConfig(
+            max_batch=max(batch, 1), max_seq_len=prompt_len + new_tokens, threads=threads, max_parked=0
+        )
         engine = BuiltinEngine(model, config, seed=0)
         engine.start()
         hf_times, eng_times = [], []

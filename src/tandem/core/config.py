@@ -74,6 +74,9 @@ class EngineConfig(Section):
     """Most sessions decoded together in one step (continuous batching)."""
     max_seq_len: int = 1024
     """Longest context the engine's KV cache holds per session."""
+    max_parked: int = Field(default=64, ge=0)
+    """Finished sessions whose KV stays parked for prefix reuse by the next turn (0 disables); the KV cache
+    gets this many extra slots beyond max_batch (memory x (max_batch+max_parked)/max_batch); LRU eviction."""
     threads: int = 1
     """Torch intra-op threads of each engine process."""
     num_engines: int = 1

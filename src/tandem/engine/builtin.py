@@ -15,6 +15,12 @@ Invariants:
 - ``update_weights`` validates every name and shape before touching anything (EngineError, state unchanged),
   then the loop copies the tensors into the HF parameters in place and refreshes derived buffers.
 - The engine never changes global torch settings (threads are the caller's job).
+- Prefix reuse (``tandem.engine.prefix``): a finished session's KV stays parked (up to
+  ``config.max_parked``, in slots beyond ``max_batch``); a request whose prompt starts with a parked sequence
+  takes that slot over and prefills only the rest. Outputs equal a full prefill (up to float rounding).
+  ``update_weights`` drops every parked slot, so a new request never reuses KV of older weights (sessions
+  already running keep theirs, as before). Stats: ``prefill_tokens`` counts tokens actually computed,
+  ``prefix_hit_tokens`` tokens reused, ``parked`` slots currently parked.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from transformers import PreTrainedModel
 from tandem.core.config import EngineConfig
 from tandem.core.errors import EngineError, ModelLoadError
 from tandem.core.generation import Completion, GenerationRequest
+from tandem.engine.prefix import PrefixCache
 from tandem.engine.runner import FastRunner, HFRunner, fast_supported
 from tandem.engine.sampling import UniformStream, sample
 
@@ -104,7 +111,9 @@ class BuiltinEngine:
         runner_cls = FastRunner if reason is None else HFRunner
         self.fallback_reason = reason
         with torch.inference_mode():
-            self._runner = runner_cls(self.model, config.max_batch, config.max_seq_len)
+            n_slots = config.max_batch + config.max_parked
+            self._runner = runner_cls(self.model, n_slots, config.max_seq_len)
+        self._prefix = PrefixCache(self._runner, n_slots, config.max_parked)
         self._targets = dict(self.model.state_dict(keep_vars=True))
         self._cv = threading.Condition()
         self._work = threading.Lock()  # held while the model or the cache is used
@@ -116,7 +125,13 @@ class BuiltinEngine:
         self._stopped = False
         self._submitted = 0
         self._t0 = time.monotonic()
-        self._stats = {"busy_s": 0.0, "tokens_generated": 0, "prefill_tokens": 0, "steps": 0}
+        self._stats = {
+            "busy_s": 0.0,
+            "tokens_generated": 0,
+            "prefill_tokens": 0,
+            "prefix_hit_tokens": 0,
+            "steps": 0,
+        }
 
     @classmethod
     def from_path(
@@ -166,6 +181,8 @@ class BuiltinEngine:
             self._queue.clear()
             sessions, self._active = self._active, []
             updates, self._updates = self._updates, []
+        with self._work:
+            self._prefix.drop_all()
         for item in [*pending, *sessions]:
             _resolve(item.future, _error("engine stopped"))
         for u in updates:
@@ -236,7 +253,7 @@ class BuiltinEngine:
 
     def stats(self) -> dict[str, Any]:
         with self._cv:
-            return {**self._stats, "uptime_s": time.monotonic() - self._t0}
+            return {**self._stats, "parked": len(self._prefix), "uptime_s": time.monotonic() - self._t0}
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -274,6 +291,7 @@ class BuiltinEngine:
         except Exception as e:  # noqa: BLE001 - reported to the caller
             u.error = EngineError(f"update_weights to version {u.version} failed: {e}")
         finally:
+            self._prefix.drop_all()  # parked KV is of the old weights (also after a partial failure)
             u.done.set()
 
     def _check(self, req: GenerationRequest) -> str | int:
@@ -309,18 +327,27 @@ class BuiltinEngine:
             seed = sp.seed if sp.seed is not None else self.seed * 1_000_003 + item.number
             stop = frozenset(sp.stop_token_ids)
             fresh.append(_Session(item.request, item.future, UniformStream(seed), check, stop))
+        # Claim parked prefixes for all of them first, so each parked slot serves at most one request.
+        claims: list[int | None] = []
+        starts: list[int] = []
+        for s in fresh:
+            hit = self._prefix.claim([int(t) for t in s.request.prompt_ids])
+            claims.append(hit[0] if hit else None)
+            starts.append(hit[1] if hit else 0)
         i = 0
-        while i < len(fresh):  # batches under a padded-token budget, at least one prompt each
+        while i < len(fresh):  # batches under a padded-token budget (new tokens), at least one prompt each
             j, longest = i, 0
             while j < len(fresh):
-                longest2 = max(longest, len(fresh[j].request.prompt_ids))
+                longest2 = max(longest, len(fresh[j].request.prompt_ids) - starts[j])
                 if j > i and longest2 * (j - i + 1) > _PREFILL_TOKEN_BUDGET:
                     break
                 longest, j = longest2, j + 1
             batch = fresh[i:j]
             first = len(self._active)
+            suffixes = [list(s.request.prompt_ids[st:]) for s, st in zip(batch, starts[i:j], strict=True)]
             try:
-                logits = self._runner.prefill(first, [s.request.prompt_ids for s in batch])
+                self._prefix.place(first, claims[i:j])
+                logits = self._runner.prefill(first, suffixes, starts[i:j])
             except Exception as e:  # noqa: BLE001 - fail these sessions, keep the others
                 for k in range(len(batch)):
                     self._runner.release(first + k)
@@ -330,7 +357,8 @@ class BuiltinEngine:
                 continue
             self._active.extend(batch)
             with self._cv:
-                self._stats["prefill_tokens"] += sum(len(s.request.prompt_ids) for s in batch)
+                self._stats["prefill_tokens"] += sum(len(x) for x in suffixes)
+                self._stats["prefix_hit_tokens"] += sum(starts[i:j])
             self._sample_and_retire(logits, first)
             i = j
 
@@ -362,15 +390,17 @@ class BuiltinEngine:
             s = self._active[slot]
             reason = "stop" if s.tokens[-1] in s.stop else "length"
             _resolve(s.future, Completion(s.tokens, s.logprobs, s.versions, reason))
-            self._remove(slot)
+            self._remove(slot, [*s.request.prompt_ids, *s.tokens])
 
-    def _remove(self, slot: int) -> None:
-        """Drop the session in ``slot``, moving the last session into it so slots stay contiguous."""
+    def _remove(self, slot: int, sequence: list[int]) -> None:
+        """Retire the session in ``slot`` (parking its KV if it may be reused), moving the last session into
+        it so active slots stay contiguous."""
         last = len(self._active) - 1
+        kept = self._prefix.park(slot, len(self._active), [int(t) for t in sequence])
         if slot != last:
             self._runner.move(last, slot)
             self._active[slot] = self._active[last]
-        else:
+        elif not kept:
             self._runner.release(slot)
         self._active.pop()
 
@@ -378,5 +408,6 @@ class BuiltinEngine:
         sessions, self._active = self._active, []
         for slot in range(len(sessions)):
             self._runner.release(slot)
+        self._prefix.drop_all()
         for s in sessions:
             _resolve(s.future, _error(msg))

@@ -1,6 +1,8 @@
 """Forward passes of the built-in engine over a slot KV cache.
 
-Two runners share one small interface (``prefill``, ``decode``, ``move``, ``release``, ``refresh``):
+Two runners share one small interface (``prefill``, ``decode``, ``move``, ``release``, ``refresh``,
+``can_park``) over
+``max_slots`` cache slots:
 
 - ``FastRunner``: its own forward for Qwen3 / Qwen2 / Llama-style decoders (RMSNorm, optional per-head
   q_norm/k_norm, RoPE from the model's own rotary module, GQA, SwiGLU, tied or untied lm_head) over a
@@ -12,8 +14,11 @@ Invariants:
   are derived buffers (fused, transposed) rebuilt by ``refresh()``: call it after changing weights.
 - Active sessions occupy slots ``0..n-1`` (the engine compacts with ``move``), so a decode step works on
   views of the cache and never gathers it. ``lens[s]`` is the number of tokens cached in slot ``s``.
-- ``prefill`` fills fresh slots from position 0 and returns the logits of each prompt's last token;
+- ``prefill(first, prompts, starts)`` fills slot ``first+j`` from position ``starts[j]`` (0 by default): the
+  slot's cached positions ``0..starts[j]-1`` are kept (prefix reuse) and the prompt is appended after them,
+  attending to them; it returns the logits of each prompt's last token and sets ``lens = start + len``.
   ``decode`` appends one token to each of slots ``0..n-1`` and returns the logits after it.
+- Slots at or beyond the active count may hold parked KV; ``move`` carries a slot's ``lens[src]`` positions.
 """
 
 from __future__ import annotations
@@ -148,8 +153,12 @@ class FastRunner:
 
     # ---- runner interface ------------------------------------------------------------------------
 
-    def prefill(self, first_slot: int, prompts: list[list[int]]) -> torch.Tensor:
+    def prefill(
+        self, first_slot: int, prompts: list[list[int]], starts: list[int] | None = None
+    ) -> torch.Tensor:
         """Fill slots ``first_slot..`` with the prompts (right-padded batch); logits [b, V] of last tokens."""
+        if starts is not None and any(starts):
+            return self._prefill_after(first_slot, prompts, starts)
         b, t = len(prompts), max(len(p) for p in prompts)
         ids = torch.zeros((b, t), dtype=torch.long)
         for j, p in enumerate(prompts):
@@ -170,6 +179,50 @@ class FastRunner:
             x = self._mlp_out(i, x, o.transpose(1, 2).flatten(2))
         for j, p in enumerate(prompts):
             self.lens[s0 + j] = len(p)
+        return self._logits(x[torch.arange(b), last])
+
+    def _prefill_after(self, first_slot: int, prompts: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Prefill each prompt after the ``starts[j]`` positions already cached in its slot.
+
+        Only real positions are written (padding never reaches the cache, so no row writes past
+        ``max_seq_len``); queries attend through an explicit mask to cache positions ``0..start+i``.
+        """
+        b, t = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros((b, t), dtype=torch.long)
+        for j, p in enumerate(prompts):
+            ids[j, : len(p)] = torch.tensor(p, dtype=torch.long)
+        st = torch.tensor(starts)
+        ends = [s + len(p) for s, p in zip(starts, prompts, strict=True)]
+        t_kv = max(ends)
+        pos = (st.unsqueeze(1) + torch.arange(t).unsqueeze(0)).clamp_(max=self.max_seq_len - 1)  # [b, t]
+        cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # [b, t, 1, D]
+        # Real (row, i) pairs and where they go in the cache.
+        jj = torch.cat([torch.full((len(p),), j) for j, p in enumerate(prompts)])
+        ii = torch.cat([torch.arange(len(p)) for p in prompts])
+        slots, wpos = jj + first_slot, st[jj] + ii
+        s0, s1 = first_slot, first_slot + b
+        mask = torch.zeros((b, 1, t, t_kv), dtype=self.cos.dtype)
+        mask.masked_fill_(
+            (torch.arange(t_kv).view(1, 1, t_kv) > pos.unsqueeze(2)).unsqueeze(1), float("-inf")
+        )
+        x = F.embedding(ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(i, self._rms(x, layer.input_layernorm.weight), cos, sin)  # [b, t, h, D]
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            kc[slots, :, wpos] = k[jj, ii]
+            vc[slots, :, wpos] = v[jj, ii]
+            o = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                kc[s0:s1, :, :t_kv],
+                vc[s0:s1, :, :t_kv],
+                mask,
+                scale=self.scaling,
+                enable_gqa=True,
+            )
+            x = self._mlp_out(i, x, o.transpose(1, 2).flatten(2))
+        for j, e in enumerate(ends):
+            self.lens[s0 + j] = e
+        last = torch.tensor([len(p) - 1 for p in prompts])
         return self._logits(x[torch.arange(b), last])
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -209,6 +262,9 @@ class FastRunner:
     def release(self, slot: int) -> None:
         self.lens[slot] = 0
 
+    def can_park(self, slot: int) -> bool:
+        return True
+
 
 class HFRunner:
     """Fallback: the HF model's own forward, one session at a time, each with its own cache."""
@@ -222,12 +278,18 @@ class HFRunner:
     def refresh(self) -> None:
         pass
 
-    def prefill(self, first_slot: int, prompts: list[list[int]]) -> torch.Tensor:
+    def prefill(
+        self, first_slot: int, prompts: list[list[int]], starts: list[int] | None = None
+    ) -> torch.Tensor:
         out = []
         for j, p in enumerate(prompts):
-            r = self.model(input_ids=torch.tensor([p]), use_cache=True)
+            start = starts[j] if starts is not None else 0
+            cache = self.caches[first_slot + j] if start > 0 else None
+            if cache is not None and self.lens[first_slot + j] > start:
+                cache.crop(start - self.lens[first_slot + j])  # negative: drop that many trailing positions
+            r = self.model(input_ids=torch.tensor([p]), past_key_values=cache, use_cache=True)
             self.caches[first_slot + j] = r.past_key_values
-            self.lens[first_slot + j] = len(p)
+            self.lens[first_slot + j] = start + len(p)
             out.append(r.logits[0, -1].float())
         return torch.stack(out)
 
@@ -246,3 +308,7 @@ class HFRunner:
 
     def release(self, slot: int) -> None:
         self.caches[slot], self.lens[slot] = None, 0
+
+    def can_park(self, slot: int) -> bool:
+        """Reuse needs a cache that can drop trailing positions (HF ``DynamicCache.crop``)."""
+        return hasattr(self.caches[slot], "crop")

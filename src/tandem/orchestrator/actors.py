@@ -27,7 +27,14 @@ from tandem.weights import WeightUpdate, verify_update
 
 
 def _set_threads(n: int) -> None:
+    import warnings
+
     import torch
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    # Ray hands out read-only numpy views of weight updates; engines only read them (copy_ into params).
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
     torch.set_num_threads(max(1, n))
     os.environ["OMP_NUM_THREADS"] = str(max(1, n))
@@ -156,6 +163,7 @@ class RolloutActor:
     """Produces groups for the buffer (training) and runs evaluations, against the engine actors."""
 
     def __init__(self, cfg: RunConfig, engines: list, buffer, index: int = 0, num_workers: int = 1) -> None:
+        _set_threads(1)
         from tandem.model import load_chat_format
         from tandem.rollout import RolloutWorker, TaskStream
 
@@ -197,6 +205,9 @@ class RolloutActor:
         limit = asyncio.Semaphore(self.cfg.rollout.groups_in_flight)
         while self.running:
             await limit.acquire()
+            if all(self.dead):
+                self.errors.append("every engine is dead; this worker stops producing")
+                break
             if not self.running or not await self.buffer.acquire_credit.remote():
                 limit.release()
                 break
@@ -216,6 +227,7 @@ class RolloutActor:
         except Exception as e:  # noqa: BLE001 - requeue and keep producing
             self.errors.append(f"group {task.id}: {type(e).__name__}: {e}")
             self.stream.requeue(task)
+            await asyncio.sleep(1.0)  # back off so a broken engine does not turn into a busy loop
             await self.buffer.failed.remote()
         finally:
             limit.release()

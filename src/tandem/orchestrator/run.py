@@ -23,6 +23,7 @@ import numpy as np
 import ray
 
 from tandem.core.config import RunConfig, dump_config
+from tandem.core.errors import TandemError
 from tandem.orchestrator.actors import BufferActor, EngineActor, RolloutActor, TrainerActor
 from tandem.orchestrator.metrics import MetricsLogger, ProgressLine
 
@@ -86,7 +87,9 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
 
     trainer = TrainerActor.options(num_cpus=cfg.train.threads).remote(cfg, cfg.model.path, resume_dir)
     engines = [
-        EngineActor.options(num_cpus=cfg.engine.threads).remote(cfg, seed=cfg.train.seed + i)
+        EngineActor.options(num_cpus=cfg.engine.threads, name=f"tandem-engine-{i}").remote(
+            cfg, seed=cfg.train.seed + i
+        )
         for i in range(cfg.engine.num_engines)
     ]
     buffer = BufferActor.remote(o.buffer_max_groups)
@@ -118,46 +121,60 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
     engine_busy0 = _engine_busy(engines)
     start = time.monotonic()
     step = version
-    while step < o.steps:
-        if o.time_budget_s and time.monotonic() - start > o.time_budget_s:
-            break
-        t_wait = time.monotonic()
-        groups, info = ray.get(buffer.take.remote(b, version, o.max_staleness, o.request_timeout_s))
-        wait_s = time.monotonic() - t_wait
-        if o.mode == "async":
-            buffer.grant.remote(b)
-        t_train = time.monotonic()
-        metrics = ray.get(trainer.step.remote(groups))
-        update = trainer.publish.remote()
-        pauses = ray.get([e.update_weights.remote(update) for e in engines])
-        train_s = time.monotonic() - t_train
-        version = step = step + 1
-        if o.mode == "sync":
-            buffer.grant.remote(b)
-        trainer_busy_s += metrics.get("step_time_s", train_s)
-        samples = sum(len(g.trajectories) for g in groups)
-        samples_total += samples
-        for lag in info["staleness"]:
-            hist[str(lag)] = hist.get(str(lag), 0) + 1
-        elapsed = time.monotonic() - start
-        engine_busy = (_engine_busy(engines) - engine_busy0) / max(elapsed * len(engines), 1e-9)
-        row = _step_row(step, version, groups, metrics, info, samples, samples_total, elapsed, trainer_busy_s)
-        row.update(
-            engine_busy=engine_busy,
-            wait_s=wait_s,
-            weight_sync_s=train_s - metrics.get("step_time_s", 0.0),
-            engine_pause_s=max(pauses),
-        )
-        logger.log(row)
-        history.append(row)
-        progress.update(row)
-        if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
-            ray.get(trainer.save_checkpoint.remote(str(run_dir / "checkpoints" / f"step_{step:06d}")))
+    try:
+        while step < o.steps:
+            if o.time_budget_s and time.monotonic() - start > o.time_budget_s:
+                break
+            t_wait = time.monotonic()
+            groups, info = ray.get(buffer.take.remote(b, version, o.max_staleness, o.request_timeout_s))
+            wait_s = time.monotonic() - t_wait
+            if o.mode == "async":
+                buffer.grant.remote(b)
+            t_train = time.monotonic()
+            metrics = ray.get(trainer.step.remote(groups))
+            update = trainer.publish.remote()
+            pauses = ray.get([e.update_weights.remote(update) for e in engines])
+            train_s = time.monotonic() - t_train
+            version = step = step + 1
+            if o.mode == "sync":
+                buffer.grant.remote(b)
+            trainer_busy_s += metrics.get("step_time_s", train_s)
+            samples = sum(len(g.trajectories) for g in groups)
+            samples_total += samples
+            for lag in info["staleness"]:
+                hist[str(lag)] = hist.get(str(lag), 0) + 1
+            elapsed = time.monotonic() - start
+            engine_busy = (_engine_busy(engines) - engine_busy0) / max(elapsed * len(engines), 1e-9)
+            row = _step_row(
+                step, version, groups, metrics, info, samples, samples_total, elapsed, trainer_busy_s
+            )
+            row.update(
+                engine_busy=engine_busy,
+                wait_s=wait_s,
+                weight_sync_s=train_s - metrics.get("step_time_s", 0.0),
+                engine_pause_s=max(pauses),
+            )
+            logger.log(row)
+            history.append(row)
+            progress.update(row)
+            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
+                ray.get(trainer.save_checkpoint.remote(str(run_dir / "checkpoints" / f"step_{step:06d}")))
+    except Exception as e:
+        errors = _collect_errors(workers)
+        if errors:
+            (run_dir / "rollout_errors.log").write_text("\n".join(errors))
+        logger.close()
+        _teardown([*workers, *engines, trainer, buffer])
+        cause = getattr(e, "cause", None) or e
+        raise TandemError(
+            f"training stopped at step {step}: {type(cause).__name__}: {cause}"
+            + (f" (last rollout error: {errors[-1]})" if errors else "")
+        ) from e
     wall = time.monotonic() - start
     engine_busy = (_engine_busy(engines) - engine_busy0) / max(wall * len(engines), 1e-9)
     ray.get([w.stop.remote() for w in workers])
     ray.get(buffer.close.remote())
-    errors = sum(ray.get([w.get_errors.remote() for w in workers]), [])
+    errors = _collect_errors(workers)
     if errors:
         (run_dir / "rollout_errors.log").write_text("\n".join(errors))
     ray.get(trainer.save_checkpoint.remote(str(run_dir / "checkpoints" / f"step_{step:06d}")))
@@ -181,14 +198,30 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
         eval_after=eval_after,
         history=history,
     )
-    for e in engines:
-        ray.get(e.shutdown.remote())
-    for actor in [*workers, *engines, trainer, buffer]:
-        ray.kill(actor)
+    _teardown([*workers, *engines, trainer, buffer])
     from tandem.orchestrator.report import write_report
 
     write_report(run_dir, result, cfg)
     return result
+
+
+def _collect_errors(workers) -> list[str]:
+    errors: list[str] = []
+    for w in workers:
+        try:
+            errors += ray.get(w.get_errors.remote(), timeout=30)
+        except Exception as e:  # noqa: BLE001 - a dead worker is itself the error
+            errors.append(f"rollout worker unreachable: {type(e).__name__}")
+    return errors
+
+
+def _teardown(actors) -> None:
+    """Kill every actor of the run; never raises (some may already be dead)."""
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:  # noqa: BLE001, S110
+            pass
 
 
 def _evaluate(cfg: RunConfig, worker, tasks) -> dict[str, Any]:

@@ -1,0 +1,104 @@
+"""The harness with a scripted policy standing in for the model: real chat format, sandbox and reward."""
+
+import asyncio
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tandem.core.config import RewardConfig, SandboxConfig
+from tandem.core.generation import Completion, SamplingParams
+from tandem.core.records import Message
+from tandem.env.expert import expert_transcript
+from tandem.env.harness import run_session
+from tandem.env.tasks import TOOLS, generate_task
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "tandem-base"
+
+
+@pytest.fixture(scope="module")
+def chat():
+    from tandem.model import load_chat_format
+
+    return load_chat_format(MODEL)
+
+
+def scripted(chat, replies, version=5):
+    """A generate function that 'samples' the given assistant messages in order, recording the prompts."""
+    queue = list(replies)
+    prompts = []
+
+    async def generate(request):
+        prompts.append(list(request.prompt_ids))
+        ids = chat.render_assistant(queue.pop(0))
+        return Completion(ids, [-0.25] * len(ids), [version] * len(ids), "stop")
+
+    return generate, prompts
+
+
+def run(task, generate, chat, **sandbox_kw):
+    return asyncio.run(
+        run_session(task, generate, chat, SamplingParams(), SandboxConfig(**sandbox_kw), RewardConfig())
+    )
+
+
+def test_expert_session_is_token_exact_and_scored(chat):
+    task = generate_task("train", 3, 0, 1)
+    messages = expert_transcript(task, random.Random(1))
+    replies = [m for m in messages if m.role == "assistant"]
+    generate, prompts = scripted(chat, replies)
+    traj = run(task, generate, chat)
+    seg = traj.segments[0]
+    assert seg.token_ids.tolist() == chat.render_transcript(messages, TOOLS)
+    # every prompt the engine saw is a prefix of the final token ids (nothing re-tokenized)
+    for p in prompts:
+        assert seg.token_ids[: len(p)].tolist() == p
+    sampled = seg.loss_mask.astype(bool)
+    assert sampled.sum() == sum(len(chat.render_assistant(m)) for m in replies)
+    assert np.all(seg.versions[sampled] == 5) and np.all(seg.versions[~sampled] == -1)
+    assert np.all(np.isnan(seg.sampler_logprobs[~sampled]))
+    assert traj.flags["submitted"] and not traj.flags["truncated"]
+    # the transcript's tool observations are exactly what the harness produced
+    tool_msgs = [m.content for m in traj.messages if m.role == "tool"]
+    assert tool_msgs == [m.content for m in messages if m.role == "tool"]
+    assert traj.reward.components["tests_total"] == task.meta["hidden_total"]
+
+
+def test_reference_solution_gets_full_reward_and_garbage_gets_zero(chat):
+    task = generate_task("train", 4, 0, 2)
+    good = [
+        Message("assistant", "", [{"name": "write_file", "arguments": {"path": "solution.py",
+                                                                      "content": task.meta["solution"]}}]),
+        Message("assistant", "", [{"name": "submit", "arguments": {}}]),
+    ]
+    traj = run(task, scripted(chat, good)[0], chat)
+    assert traj.reward.value == 1.0 and traj.flags["submitted"]
+
+    garbage = [Message("assistant", "<tool_call>{not json"), Message("assistant", "hello"),
+               Message("assistant", "", [{"name": "rm_rf", "arguments": {}}])]
+    traj = run(task, scripted(chat, garbage * 3)[0], chat)
+    assert traj.reward.value == 0.0
+    assert traj.tool_stats["malformed_calls"] >= 1 and traj.tool_stats["no_tool_call"] >= 1
+    assert traj.tool_stats["tool_errors"] >= 1
+    assert traj.flags["truncated"] and not traj.flags["submitted"]
+
+
+def test_hanging_command_is_killed_at_its_timeout(chat):
+    task = generate_task("train", 5, 0, 1)
+    replies = [Message("assistant", "", [{"name": "run", "arguments": {"command": "sleep 60"}}]),
+               Message("assistant", "", [{"name": "submit", "arguments": {}}])]
+    traj = run(task, scripted(chat, replies)[0], chat, timeout_s=1.0)
+    observation = [m.content for m in traj.messages if m.role == "tool"][0]
+    assert "timed out" in observation
+    assert traj.timings["tools_s"] < 30
+
+
+def test_engine_error_ends_the_session_with_zero_reward(chat):
+    task = generate_task("train", 6, 0, 1)
+
+    async def broken(request):
+        return Completion([], [], [], "error", "engine stopped")
+
+    traj = run(task, broken, chat)
+    assert traj.flags["engine_error"] and traj.reward.value == 0.0
