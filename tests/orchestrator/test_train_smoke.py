@@ -49,7 +49,7 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
     assert ev["n"] == 4 and 0.0 <= ev["pass@1"] <= 1.0
     assert (run_dir / "final_model" / "config.json").is_file()
 
-    # resume: continue from the last checkpoint (step 3) to step 4
+    # resume in sync mode: continue from the last checkpoint (step 3) to step 4, with zero staleness
     r = tandem(
         "train",
         "--preset",
@@ -61,10 +61,13 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
         "orchestrator.steps=4",
         "--set",
         "eval.before_after=false",
+        "--set",
+        "orchestrator.mode=sync",
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert rows[-1]["staleness_max"] == 0 and rows[-1]["version"] == 4
 
 
 def test_invalid_config_refuses_to_start_and_names_the_field(tmp_path):

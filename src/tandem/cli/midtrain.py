@@ -47,13 +47,13 @@ PRESETS: dict[str, Preset] = {
         model_size="default",
         vocab_size=4096,
         code_mb=0.25,
-        transcripts=4000,
+        transcripts=6000,
         levels=(1, 2, 3),
         tokenizer_transcripts=1000,
         corpus_seed=0,
         model_seed=0,
         settings=MidtrainSettings(
-            steps=300, seq_len=1024, batch_size=4, lr=2e-3, warmup_steps=20, checkpoint_every=25
+            steps=600, seq_len=1024, batch_size=4, lr=3e-3, warmup_steps=30, checkpoint_every=25
         ),
     ),
     "smoke": Preset(

@@ -1,0 +1,76 @@
+"""The `tandem` command's eval and bench entry points, and its bad-input errors, as a user runs them."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tandem(*args, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "tandem.cli.main", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_eval_prints_pass_at_k_json():
+    r = tandem(
+        "eval",
+        "--model",
+        "models/tandem-base",
+        "--split",
+        "heldout",
+        "--n-tasks",
+        "3",
+        "--samples",
+        "2",
+        "--k",
+        "1",
+        "--k",
+        "2",
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["n"] == 3 and out["samples_per_task"] == 2
+    assert 0.0 <= out["pass@1"] <= out["pass@2"] <= 1.0
+
+
+def test_eval_bad_inputs_are_clear_errors():
+    r = tandem("eval", "--model", "/no/such/model", "--json")
+    assert r.returncode == 2 and "/no/such/model" in r.stderr
+    r = tandem("eval", "--model", "models/tandem-base", "--split", "bogus", "--n-tasks", "1", "--json")
+    assert r.returncode == 2 and "bogus" in r.stderr
+    r = tandem("eval", "--model", "models/tandem-base", "--k", "4", "--samples", "2", "--n-tasks", "1")
+    assert r.returncode == 2 and "pass@4" in r.stderr
+
+
+def test_bench_engine_json_shape():
+    r = tandem(
+        "bench",
+        "engine",
+        "--batch",
+        "2",
+        "--new-tokens",
+        "4",
+        "--prompt-len",
+        "8",
+        "--threads",
+        "1",
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    engines = {row["engine"] for row in out["results"]}
+    assert engines == {"builtin", "hf_generate"}
+    assert out["speedup_vs_hf_generate"] > 0
+
+
+def test_unknown_preset_is_rejected():
+    r = tandem("train", "--preset", "huge")
+    assert r.returncode == 2 and "huge" in r.stderr
