@@ -68,15 +68,21 @@ def test_expert_session_is_token_exact_and_scored(chat):
 def test_reference_solution_gets_full_reward_and_garbage_gets_zero(chat):
     task = generate_task("train", 4, 0, 2)
     good = [
-        Message("assistant", "", [{"name": "write_file", "arguments": {"path": "solution.py",
-                                                                      "content": task.meta["solution"]}}]),
+        Message(
+            "assistant",
+            "",
+            [{"name": "write_file", "arguments": {"path": "solution.py", "content": task.meta["solution"]}}],
+        ),
         Message("assistant", "", [{"name": "submit", "arguments": {}}]),
     ]
     traj = run(task, scripted(chat, good)[0], chat)
     assert traj.reward.value == 1.0 and traj.flags["submitted"]
 
-    garbage = [Message("assistant", "<tool_call>{not json"), Message("assistant", "hello"),
-               Message("assistant", "", [{"name": "rm_rf", "arguments": {}}])]
+    garbage = [
+        Message("assistant", "<tool_call>{not json"),
+        Message("assistant", "hello"),
+        Message("assistant", "", [{"name": "rm_rf", "arguments": {}}]),
+    ]
     traj = run(task, scripted(chat, garbage * 3)[0], chat)
     assert traj.reward.value == 0.0
     assert traj.tool_stats["malformed_calls"] >= 1 and traj.tool_stats["no_tool_call"] >= 1
@@ -86,8 +92,10 @@ def test_reference_solution_gets_full_reward_and_garbage_gets_zero(chat):
 
 def test_hanging_command_is_killed_at_its_timeout(chat):
     task = generate_task("train", 5, 0, 1)
-    replies = [Message("assistant", "", [{"name": "run", "arguments": {"command": "sleep 60"}}]),
-               Message("assistant", "", [{"name": "submit", "arguments": {}}])]
+    replies = [
+        Message("assistant", "", [{"name": "run", "arguments": {"command": "sleep 60"}}]),
+        Message("assistant", "", [{"name": "submit", "arguments": {}}]),
+    ]
     traj = run(task, scripted(chat, replies)[0], chat, timeout_s=1.0)
     observation = [m.content for m in traj.messages if m.role == "tool"][0]
     assert "timed out" in observation

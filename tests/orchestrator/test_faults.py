@@ -1,4 +1,4 @@
-"""A dead engine must not hang the run: its groups fail, are requeued, and the run stops with a clear error."""
+"""A dead engine must not hang the run: its groups fail and are requeued; the run stops with an error."""
 
 import threading
 import time
@@ -14,8 +14,11 @@ from tandem.orchestrator import train
 
 @pytest.mark.slow
 def test_killing_the_only_engine_ends_the_run_with_an_error(tmp_path):
-    cfg = build_config("smoke", None, ["orchestrator.steps=50", "orchestrator.request_timeout_s=20",
-                                       "eval.before_after=false"])
+    cfg = build_config(
+        "smoke",
+        None,
+        ["orchestrator.steps=50", "orchestrator.request_timeout_s=20", "eval.before_after=false"],
+    )
     killed = {}
 
     def killer():

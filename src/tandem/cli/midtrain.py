@@ -53,7 +53,7 @@ PRESETS: dict[str, Preset] = {
         corpus_seed=0,
         model_seed=0,
         settings=MidtrainSettings(
-            steps=600, seq_len=1024, batch_size=4, lr=3e-3, warmup_steps=30, checkpoint_every=25
+            steps=700, seq_len=1024, batch_size=4, lr=3e-3, warmup_steps=30, checkpoint_every=25
         ),
     ),
     "smoke": Preset(

@@ -11,6 +11,15 @@ from tandem.env.tasks import SYSTEM_PROMPT, TOOLS, generate_task, get_task, task
 from tandem.env.tools import ToolResult, execute_tool
 
 __all__ = [
-    "SYSTEM_PROMPT", "TOOLS", "ToolResult", "execute_tool", "expert_corpus", "expert_transcript",
-    "generate_task", "get_task", "run_session", "score", "task_split",
+    "SYSTEM_PROMPT",
+    "TOOLS",
+    "ToolResult",
+    "execute_tool",
+    "expert_corpus",
+    "expert_transcript",
+    "generate_task",
+    "get_task",
+    "run_session",
+    "score",
+    "task_split",
 ]

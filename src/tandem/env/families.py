@@ -17,8 +17,6 @@ from typing import Any
 Args = tuple[Any, ...]
 Params = dict[str, Any]
 
-VERBS = ["calc", "get", "make", "find", "compute", "process", "handle", "build", "solve", "apply"]
-NOUNS = ["value", "result", "data", "items", "thing", "output", "answer", "total", "score", "stuff"]
 WORDS = (
     "cat dog sun tree apple moon sky red blue car bird fish book door star idea ocean lemon river tea go a "
     "house stone cloud"

@@ -1,14 +1,18 @@
 """Built-in tasks: procedurally generated Python function-writing exercises at three difficulty levels.
 
-Each instance (of a family in ``tandem.env.families``) asks for one function ``name(args)`` in
-``solution.py``; the agent sees a stub and 2 visible tests (``test_solution.py``); 6-10 hidden tests
+Each instance (of a family in ``tandem.env.families``) asks for one function ``solve(args)`` in
+``solution.py`` (one fixed name: the default 6M-parameter model cannot yet copy an arbitrary name from its
+context reliably, and the name carries no information about the task); the agent sees a stub and 2
+visible tests (``test_solution.py``); 6-10 hidden tests
 (edge cases included) run only when scoring.
 
 Invariants:
 - Generation is a pure function of ``(split, seed, level, index)``: ``get_task(task.id)`` rebuilds the same
   task, byte for byte, in any process.
 - Train and held-out splits are disjoint by construction, for every seed: an instance's split is decided by
-  a hash of its content signature (family, parameters, function name), which does not involve the seed.
+  a hash of its content signature (family, parameters, instance nonce; the nonce seeds the test inputs),
+  which does not involve the seed. No instance is in both splits; a held-out instance may share its family
+  and parameters with train instances and differ in its test inputs.
 - ``meta["solution"]`` passes every hidden test; every entry of ``meta["bugs"]`` fails at least one (bug
   templates that happen to be correct for an instance's parameters are dropped at generation time).
 - Test files print ``PASS <call>`` / ``FAIL <call>: <detail>`` per test and a last line
@@ -29,7 +33,7 @@ from typing import Any
 
 from tandem.core.config import TaskConfig
 from tandem.core.records import Message, Task, TaskLimits
-from tandem.env.families import FAMILIES_BY_LEVEL, LEVELS, NOUNS, VERBS, Args, Family
+from tandem.env.families import FAMILIES_BY_LEVEL, LEVELS, Args, Family
 
 SYSTEM_PROMPT = (
     "You are a coding agent. Tools: read_file(path), write_file(path, content), run(command), "
@@ -126,8 +130,11 @@ def test_file(cases: list[tuple[str, Any]]) -> str:
     return f"import sys\n\nC = [\n{rows}]\n{RUNNER}"
 
 
-def signature(family: Family, params: dict[str, Any], name: str) -> str:
-    return f"{family.name}|{sorted(params.items())}|{name}"
+FUNCTION_NAME = "solve"
+
+
+def signature(family: Family, params: dict[str, Any], nonce: int) -> str:
+    return f"{family.name}|{sorted(params.items())}|{nonce}"
 
 
 def split_of(sig: str) -> str:
@@ -166,8 +173,8 @@ def generate_task(split: str, index: int, seed: int, level: int, limits: TaskLim
         r = random.Random(f"{seed}:{level}:{split}:{index}:{attempt}")
         fam = r.choice(FAMILIES_BY_LEVEL[level])
         params = fam.params(r)
-        name = f"{r.choice(VERBS)}_{r.choice(NOUNS)}"
-        sig = signature(fam, params, name)
+        name = FUNCTION_NAME
+        sig = signature(fam, params, r.randrange(1 << 30))
         if split_of(sig) == split:
             break
     else:  # pragma: no cover - with 20% held-out this is astronomically unlikely
