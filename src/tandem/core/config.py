@@ -109,8 +109,10 @@ class TrainConfig(Section):
     """Global gradient-norm clip (0 disables)."""
     groups_per_step: int = 8
     """Groups consumed per optimizer step."""
-    micro_batch_tokens: int = 8192
-    """Tokens per packed micro-batch in the trainer forward/backward."""
+    micro_batch_tokens: int = 512
+    """Tokens per packed micro-batch in the trainer forward/backward. Packed rows attend through a dense
+    block-diagonal mask (cost grows with the square of the row length), so short rows are faster on CPU:
+    measured 14.4k tokens per step at 8192 / 2048 / 1024 / 512 took 71 / 26 / 18 / 15 s on one thread."""
     clip_eps: float = 0.2
     """PPO clip range for the ratio against the recomputed old logprobs."""
     kl_coef: float = 0.0

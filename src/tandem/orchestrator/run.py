@@ -97,6 +97,8 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
         RolloutActor.remote(cfg, engines, buffer, i, cfg.rollout.num_workers)
         for i in range(cfg.rollout.num_workers)
     ]
+    # Wait until every actor has finished starting, so the clock below measures steady-state work.
+    ray.get([e.stats.remote() for e in engines] + [w.get_errors.remote() for w in workers])
     version = ray.get(trainer.version.remote())
     if version > 0:  # resumed: engines start from the checkpoint's weights
         update = trainer.publish.remote()

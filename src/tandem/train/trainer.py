@@ -2,8 +2,9 @@
 
 Invariants:
 - Master weights and optimizer state are float32 (AdamW with ``TrainConfig`` lr/betas/weight_decay). The
-  model runs in eval mode (no dropout), so the recomputed old logprobs equal the first forward's logprobs
-  and every ratio is exactly 1 before the update.
+  model runs in eval mode (no dropout). Exactly one optimizer step is taken per batch, so the old logprobs
+  (the trainer's own, under the pre-update weights) are the detached logprobs of the gradient forward
+  itself: every ratio is exactly 1 and PPO clipping is inactive for this single step; no second pass.
 - ``version`` is the number of ``step`` calls applied to the starting weights (0 = the base model, or what a
   checkpoint recorded). Every successful ``step`` increments it by exactly one, also when no trajectory
   carried signal; then the optimizer is not stepped (weights unchanged) and ``metrics["updated"] == 0``.
@@ -147,29 +148,31 @@ class Trainer:
     def _update(self, seqs: list[SequenceInput], total_sampled: int, metrics: dict[str, float]) -> None:
         cfg = self.config
         mbs = pack(seqs, cfg.micro_batch_tokens)
-        olds, refs = [], []
         ent_sum = mis_sum = mis_n = 0.0
-        with torch.no_grad():  # old logprobs: the current weights, before this update
-            for mb in mbs:
-                out = token_logprobs(self.model, mb, with_entropy=True)
-                olds.append(out.logprobs)
-                assert out.entropy is not None
-                ent_sum += float((out.entropy * mb.loss_mask).sum())
-                ok = (mb.loss_mask > 0) & torch.isfinite(mb.sampler_logprobs)
-                log_ratio = out.logprobs[ok] - mb.sampler_logprobs[ok]  # log p_trainer - log p_sampler
-                mis_sum += float((torch.expm1(log_ratio) - log_ratio).sum())
-                mis_n += int(ok.sum())
-                if self.ref_model is not None:
-                    refs.append(token_logprobs(self.ref_model, mb).logprobs)
         trained = sum(mb.num_sampled for mb in mbs)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         weighted = {"clip_frac": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0, "kl_ref": 0.0}
-        for k, mb in enumerate(mbs):
-            lp = token_logprobs(self.model, mb).logprobs
+        for mb in mbs:
+            out = token_logprobs(self.model, mb, with_entropy=True)
+            lp = out.logprobs
+            # Old logprobs are the trainer's own, under the weights before this update. With one optimizer
+            # step per batch they equal this forward pass exactly, so they are taken from it (detached)
+            # instead of from a second, bit-identical no-grad pass.
+            old = lp.detach()
+            assert out.entropy is not None
+            ent_sum += float((out.entropy.detach() * mb.loss_mask).sum())
+            ok = (mb.loss_mask > 0) & torch.isfinite(mb.sampler_logprobs)
+            log_ratio = old[ok] - mb.sampler_logprobs[ok]  # log p_trainer - log p_sampler
+            mis_sum += float((torch.expm1(log_ratio) - log_ratio).sum())
+            mis_n += int(ok.sum())
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref = token_logprobs(self.ref_model, mb).logprobs
             loss, m = grpo_loss(
-                lp, olds[k], mb.advantages, mb.loss_mask, cfg.clip_eps,
-                ref_logprobs=refs[k] if refs else None, kl_coef=cfg.kl_coef, num_tokens=total_sampled,
+                lp, old, mb.advantages, mb.loss_mask, cfg.clip_eps,
+                ref_logprobs=ref, kl_coef=cfg.kl_coef, num_tokens=total_sampled,
             )  # fmt: skip
             loss.backward()
             loss_sum += float(loss.detach())
