@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
+from transformers import PreTrainedModel
 
 from tandem.core.config import EngineConfig
 from tandem.core.generation import GenerationRequest, SamplingParams
@@ -21,20 +21,10 @@ from tandem.engine.builtin import BuiltinEngine
 
 
 def _default_model(seed: int = 0) -> PreTrainedModel:
-    """A random-init Qwen3 of about 6M parameters (the size of the shipped base model)."""
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=4096,
-        hidden_size=256,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=768,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-    )
-    return Qwen3ForCausalLM(cfg).eval()
+    """A random-init Qwen3 of the shipped base model's shape (about 5.8M parameters at vocab 4096)."""
+    from tandem.model import build_model, qwen3_config
+
+    return build_model(qwen3_config("default", vocab_size=4096), seed).eval()
 
 
 def _time_hf(model: PreTrainedModel, prompts: torch.Tensor, new_tokens: int) -> float:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
+from transformers import PreTrainedModel
 
 from tandem.core.config import EngineConfig
 from tandem.core.generation import GenerationRequest, SamplingParams
@@ -29,18 +29,9 @@ def _model(path: str) -> PreTrainedModel:
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
-    torch.manual_seed(0)  # same shape as the shipped base model
-    cfg = Qwen3Config(
-        vocab_size=4096,
-        hidden_size=256,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=768,
-        tie_word_embeddings=True,
-    )
-    return Qwen3ForCausalLM(cfg).eval()
+    from tandem.model import build_model, qwen3_config  # same shape as the shipped base model
+
+    return build_model(qwen3_config("default", vocab_size=4096), 0).eval()
 
 
 def _workload(
