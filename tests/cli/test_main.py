@@ -74,3 +74,14 @@ def test_bench_engine_json_shape():
 def test_unknown_preset_is_rejected():
     r = tandem("train", "--preset", "huge")
     assert r.returncode == 2 and "huge" in r.stderr
+
+
+def test_bench_prefix_reuses_kv_and_rejects_bad_counts():
+    r = tandem("bench", "prefix", "--sessions", "2", "--turns", "2", "--threads", "1", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["reuse"]["prefix_hit_tokens"] > 0 and out["no_reuse"]["prefix_hit_tokens"] == 0
+    assert out["reuse"]["prefill_tokens"] < out["no_reuse"]["prefill_tokens"]
+    assert out["reuse"]["tokens_generated"] == out["no_reuse"]["tokens_generated"]
+    r = tandem("bench", "prefix", "--sessions", "0")
+    assert r.returncode == 2 and "--sessions" in r.stderr

@@ -179,6 +179,25 @@ def bench_engine(
     typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
 
 
+@bench_app.command("prefix")
+def bench_prefix(
+    model: Annotated[str, typer.Option(help="Model directory.")] = "models/tandem-base",
+    sessions: Annotated[int, typer.Option(help="Concurrent sessions.")] = 32,
+    turns: Annotated[int, typer.Option(help="Turns per session.")] = 4,
+    threads: Annotated[int, typer.Option(help="Torch threads.")] = 2,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Engine with and without per-session prefix reuse on the same multi-turn workload."""
+    if sessions < 1 or turns < 1:
+        fail(f"--sessions and --turns must be >= 1, got {sessions} and {turns}")
+    path = resolve_model_path(model)
+    check_model_path(path)
+    from tandem.bench.prefix import run
+
+    out = run(path, sessions=sessions, turns=turns, threads=threads)
+    typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
+
+
 def _mount_subcommands() -> None:
     from tandem.cli import midtrain as midtrain_cli
     from tandem.cli import sandbox as sandbox_cli

@@ -1,4 +1,4 @@
-"""Measure prefix reuse on a simulated multi-turn workload: ``python -m tandem.engine.prefix_bench``.
+"""`tandem bench prefix`: the engine's per-session prefix reuse on a simulated multi-turn workload.
 
 Workload: ``sessions`` concurrent agent sessions, each ``turns`` turns; turn 1 sends a ``prompt``-token
 context, every turn samples exactly ``sampled`` tokens (temperature 1, no stop) and the next turn resends the
@@ -10,7 +10,6 @@ no time here). The same workload (same seeds) runs on the engine with ``max_park
 
 from __future__ import annotations
 
-import argparse
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
@@ -100,20 +99,3 @@ def run(
         return out
     finally:
         torch.set_num_threads(old)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="models/tandem-base")
-    ap.add_argument("--sessions", type=int, default=32)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--prompt", type=int, default=300)
-    ap.add_argument("--sampled", type=int, default=40)
-    ap.add_argument("--obs", type=int, default=40)
-    ap.add_argument("--threads", type=int, default=2)
-    a = ap.parse_args()
-    print(run(a.model, a.sessions, a.turns, a.prompt, a.sampled, a.obs, a.threads))
-
-
-if __name__ == "__main__":
-    main()
