@@ -28,6 +28,9 @@ def test_overrides_parse_toml_values(tmp_path):
         ("train.lr=abc", "train.lr"),
         ("rollout.top_p=0", "top_p"),
         ("noequals", "key=value"),
+        ("train.micro_batch_tokens=0", "train.micro_batch_tokens must be > 0"),
+        ("engine.max_batch=-3", "engine.max_batch must be > 0"),
+        ("tasks.levels=[4]", "tasks.levels"),
     ],
 )
 def test_invalid_config_names_the_field(override, needle):

@@ -112,7 +112,8 @@ class TrainConfig(Section):
     micro_batch_tokens: int = 512
     """Tokens per packed micro-batch in the trainer forward/backward. Packed rows attend through a dense
     block-diagonal mask (cost grows with the square of the row length), so short rows are faster on CPU:
-    measured 14.4k tokens per step at 8192 / 2048 / 1024 / 512 took 71 / 26 / 18 / 15 s on one thread."""
+    a one-off measurement on the shared 2-core machine: 14.4k tokens per step at 8192 / 2048 / 1024 / 512
+    took 71 / 26 / 18 / 15 s on one thread."""
     clip_eps: float = 0.2
     """PPO clip range for the ratio against the recomputed old logprobs."""
     kl_coef: float = 0.0
@@ -172,6 +173,28 @@ class RunConfig(Section):
             raise ValueError("orchestrator.max_staleness must be >= 0")
         if not 0.0 < self.rollout.top_p <= 1.0:
             raise ValueError("rollout.top_p must be in (0, 1]")
+        positive = {
+            "tasks.heldout_size": self.tasks.heldout_size, "tasks.max_turns": self.tasks.max_turns,
+            "tasks.max_tokens": self.tasks.max_tokens, "tasks.wall_time_s": self.tasks.wall_time_s,
+            "sandbox.timeout_s": self.sandbox.timeout_s, "sandbox.memory_mb": self.sandbox.memory_mb,
+            "sandbox.pids": self.sandbox.pids, "engine.max_batch": self.engine.max_batch,
+            "engine.max_seq_len": self.engine.max_seq_len, "engine.threads": self.engine.threads,
+            "engine.num_engines": self.engine.num_engines,
+            "rollout.max_new_tokens": self.rollout.max_new_tokens,
+            "rollout.num_workers": self.rollout.num_workers,
+            "rollout.groups_in_flight": self.rollout.groups_in_flight,
+            "train.lr": self.train.lr, "train.groups_per_step": self.train.groups_per_step,
+            "train.micro_batch_tokens": self.train.micro_batch_tokens, "train.threads": self.train.threads,
+            "orchestrator.steps": self.orchestrator.steps, "eval.samples_per_task": self.eval.samples_per_task,
+            "orchestrator.request_timeout_s": self.orchestrator.request_timeout_s,
+        }  # fmt: skip
+        for name, value in positive.items():
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if not self.tasks.levels or any(lv not in (1, 2, 3) for lv in self.tasks.levels):
+            raise ValueError(
+                f"tasks.levels must be a non-empty list drawn from 1, 2, 3; got {self.tasks.levels}"
+            )
         if self.rollout.temperature <= 0:
             raise ValueError("rollout.temperature must be > 0 (greedy decoding is not a policy to train)")
         return self
