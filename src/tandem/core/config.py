@@ -184,7 +184,8 @@ class RunConfig(Section):
             "rollout.num_workers": self.rollout.num_workers,
             "rollout.groups_in_flight": self.rollout.groups_in_flight,
             "train.lr": self.train.lr, "train.groups_per_step": self.train.groups_per_step,
-            "train.micro_batch_tokens": self.train.micro_batch_tokens, "train.threads": self.train.threads,
+            "train.micro_batch_tokens": self.train.micro_batch_tokens,
+            "train.threads": self.train.threads,
             "orchestrator.steps": self.orchestrator.steps, "eval.samples_per_task": self.eval.samples_per_task,
             "orchestrator.request_timeout_s": self.orchestrator.request_timeout_s,
         }  # fmt: skip
