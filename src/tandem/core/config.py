@@ -186,7 +186,8 @@ class RunConfig(Section):
             "train.lr": self.train.lr, "train.groups_per_step": self.train.groups_per_step,
             "train.micro_batch_tokens": self.train.micro_batch_tokens,
             "train.threads": self.train.threads,
-            "orchestrator.steps": self.orchestrator.steps, "eval.samples_per_task": self.eval.samples_per_task,
+            "orchestrator.steps": self.orchestrator.steps,
+            "eval.samples_per_task": self.eval.samples_per_task,
             "orchestrator.request_timeout_s": self.orchestrator.request_timeout_s,
         }  # fmt: skip
         for name, value in positive.items():
