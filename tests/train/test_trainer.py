@@ -88,6 +88,43 @@ def test_micro_batch_size_does_not_change_the_step(model_dir):
     assert small["grad_norm"] == pytest.approx(big["grad_norm"], rel=1e-5)
 
 
+def test_ppo_epochs_and_mini_batches(model_dir):
+    """epochs x mini_batches updates per step; the first update equals a one-update step on its own groups;
+    later updates see ratios != 1 (the old logprobs are from before the first update)."""
+    groups = sample_groups(Trainer(model_dir, _config()).model, 0)
+    ppo = Trainer(model_dir, _config(lr=3e-2, epochs=2, mini_batches=2))
+    m = ppo.step(groups)
+    assert m["updates"] == 4 and m["updated"] == 1 and m["version"] == 1
+    assert m["ratio_mean"] != pytest.approx(1.0, abs=1e-6) and m["approx_kl"] > 0
+    assert m["mismatch_kl"] < 1e-6  # the no-grad pre-pass reproduces the sampler's logprobs
+
+    # One epoch, two mini-batches: the first update uses groups 0 and 2 (round-robin), exactly like a
+    # single-update step on those groups alone.
+    split = Trainer(model_dir, _config(lr=3e-2, mini_batches=2))
+    alone = Trainer(model_dir, _config(lr=3e-2))
+    first = [groups[0], groups[2]]
+    split_first = _params_after_first_update(split, groups)
+    alone.step(first)
+    for a, b in zip(split_first, alone.params, strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-7)
+
+
+def _params_after_first_update(trainer, groups):
+    snapshots = []
+    original = trainer._optimizer_step
+
+    def record(metrics):
+        norm = original(metrics)
+        if not snapshots:
+            snapshots.append([p.detach().clone() for p in trainer.params])
+        return norm
+
+    trainer._optimizer_step = record
+    m = trainer.step(groups)
+    assert m["updates"] == 2
+    return snapshots[0]
+
+
 def _fixed_group(rewards, sampled=True):
     trajs = []
     for i, r in enumerate(rewards):

@@ -114,6 +114,13 @@ class TrainConfig(Section):
     block-diagonal mask (cost grows with the square of the row length), so short rows are faster on CPU:
     a one-off measurement on the shared 2-core machine: 14.4k tokens per step at 8192 / 2048 / 1024 / 512
     took 71 / 26 / 18 / 15 s on one thread."""
+    epochs: int = 1
+    """Passes over each step's batch (PPO epochs; verl's ``ppo_epochs``, TRL's ``num_iterations``). With
+    ``epochs * mini_batches > 1`` the old logprobs come from an extra no-grad pass before the first update and
+    the PPO clip is active on the later updates."""
+    mini_batches: int = 1
+    """Optimizer updates per epoch: the step's groups are split into this many mini-batches (whole groups,
+    round-robin), each normalised over its own sampled tokens. Must not exceed ``groups_per_step``."""
     clip_eps: float = 0.2
     """PPO clip range for the ratio against the recomputed old logprobs."""
     kl_coef: float = 0.0
@@ -185,7 +192,8 @@ class RunConfig(Section):
             "rollout.groups_in_flight": self.rollout.groups_in_flight,
             "train.lr": self.train.lr, "train.groups_per_step": self.train.groups_per_step,
             "train.micro_batch_tokens": self.train.micro_batch_tokens,
-            "train.threads": self.train.threads,
+            "train.threads": self.train.threads, "train.epochs": self.train.epochs,
+            "train.mini_batches": self.train.mini_batches,
             "orchestrator.steps": self.orchestrator.steps,
             "eval.samples_per_task": self.eval.samples_per_task,
             "orchestrator.request_timeout_s": self.orchestrator.request_timeout_s,
@@ -196,6 +204,11 @@ class RunConfig(Section):
         if not self.tasks.levels or any(lv not in (1, 2, 3) for lv in self.tasks.levels):
             raise ValueError(
                 f"tasks.levels must be a non-empty list drawn from 1, 2, 3; got {self.tasks.levels}"
+            )
+        if self.train.mini_batches > self.train.groups_per_step:
+            raise ValueError(
+                f"train.mini_batches ({self.train.mini_batches}) must be <= train.groups_per_step "
+                f"({self.train.groups_per_step}): a mini-batch holds whole groups"
             )
         if self.rollout.temperature <= 0:
             raise ValueError("rollout.temperature must be > 0 (greedy decoding is not a policy to train)")

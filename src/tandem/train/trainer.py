@@ -2,14 +2,17 @@
 
 Invariants:
 - Master weights and optimizer state are float32 (AdamW with ``TrainConfig`` lr/betas/weight_decay). The
-  model runs in eval mode (no dropout). Exactly one optimizer step is taken per batch, so the old logprobs
-  (the trainer's own, under the pre-update weights) are the detached logprobs of the gradient forward
+  model runs in eval mode (no dropout). With the default one optimizer step per batch
+  (``epochs = mini_batches = 1``) the old logprobs (the trainer's own, under the pre-update weights) are the detached logprobs of the gradient forward
   itself: every ratio is exactly 1 and PPO clipping is inactive for this single step; no second pass.
+  With ``epochs * mini_batches > 1`` a step is PPO proper: old logprobs from one no-grad pass before the
+  first update, then ``epochs`` passes over ``mini_batches`` mini-batches of whole groups, one optimizer
+  update each, each normalised over its own groups' sampled tokens.
 - ``version`` is the number of ``step`` calls applied to the starting weights (0 = the base model, or what a
   checkpoint recorded). Every successful ``step`` increments it by exactly one, also when no trajectory
   carried signal; then the optimizer is not stepped (weights unchanged) and ``metrics["updated"] == 0``.
-- Loss normalisation is token-level over the step: the denominator is the number of sampled tokens of all
-  trajectories of all (non-empty) groups passed to ``step``. Trajectories with zero advantage are dropped
+- Loss normalisation is token-level over the update: the denominator is the number of sampled tokens of all
+  trajectories of all (non-empty) groups of the mini-batch (the whole step when ``mini_batches == 1``). Trajectories with zero advantage are dropped
   before the forward only when ``kl_coef == 0`` (then their gradient is exactly zero), so dropping is a pure
   compute saving and never changes the update.
 - ``publish_state`` is the one seam through which weights leave the trainer: a dict of fresh numpy arrays
@@ -41,7 +44,7 @@ from tandem.core.config import TrainConfig
 from tandem.core.errors import ModelLoadError
 from tandem.core.records import Group
 from tandem.train.advantages import group_advantages, is_zero_variance
-from tandem.train.batching import SequenceInput, pack, token_logprobs
+from tandem.train.batching import LogprobOutput, MicroBatch, SequenceInput, pack, token_logprobs
 from tandem.train.checkpoint import atomic_dir, read_state, write_state
 from tandem.train.loss import grpo_loss
 
@@ -65,6 +68,20 @@ def load_causal_lm(path: str | Path) -> PreTrainedModel:
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"could not load model from {p}: {e}") from e
     return model
+
+
+def _split_mini_batches(
+    chunks: list[tuple[list[SequenceInput], int]], mini_batches: int
+) -> list[tuple[list[SequenceInput], int]]:
+    """Deal groups round-robin into at most ``mini_batches`` mini-batches of (sequences, sampled tokens);
+    mini-batches without a sequence to train on are left out."""
+    out: list[tuple[list[SequenceInput], int]] = []
+    for k in range(mini_batches):
+        part = chunks[k::mini_batches]
+        seqs = [s for group_seqs, _ in part for s in group_seqs]
+        if seqs:
+            out.append((seqs, sum(n for _, n in part)))
+    return out
 
 
 def _sampled_count(seg_mask: np.ndarray) -> int:
@@ -102,13 +119,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
     def step(self, groups: list[Group]) -> dict[str, float]:
-        """One optimizer step on these groups; returns metrics (see the class invariants for edge cases)."""
+        """One training step on these groups (``epochs * mini_batches`` optimizer updates); returns metrics
+        (see the class invariants for edge cases)."""
         if not groups:
             raise ValueError("Trainer.step got an empty list of groups; pass at least one Group")
         t0 = time.perf_counter()
         cfg = self.config
         drop_zero = cfg.kl_coef == 0.0
-        seqs: list[SequenceInput] = []
+        chunks: list[tuple[list[SequenceInput], int]] = []  # per non-empty group: its sequences, sampled
         rewards: list[float] = []
         total_sampled = samples = zero_groups = skipped_groups = dropped = 0
         for gi, g in enumerate(groups):
@@ -120,6 +138,7 @@ class Trainer:
                 continue
             zero_groups += int(is_zero_variance(r))
             adv = group_advantages(r)
+            group_seqs: list[SequenceInput] = []
             for ti, t in enumerate(g.trajectories):
                 samples += 1
                 total_sampled += counts[ti]
@@ -128,7 +147,8 @@ class Trainer:
                     continue
                 for seg in t.segments:
                     if _sampled_count(seg.loss_mask):
-                        seqs.append(SequenceInput(seg, float(adv[ti]), gi, ti))
+                        group_seqs.append(SequenceInput(seg, float(adv[ti]), gi, ti))
+            chunks.append((group_seqs, sum(counts)))
         rw = np.asarray(rewards, np.float64)
         metrics: dict[str, float] = {
             "loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "ratio_mean": 1.0, "approx_kl": 0.0,
@@ -136,69 +156,94 @@ class Trainer:
             "trained_tokens": 0, "samples": samples, "dropped_samples": dropped, "groups": len(groups),
             "zero_adv_groups": zero_groups, "skipped_groups": skipped_groups, "micro_batches": 0,
             "reward_mean": float(rw.mean()) if rw.size else 0.0,
-            "reward_std": float(rw.std()) if rw.size else 0.0, "updated": 0,
+            "reward_std": float(rw.std()) if rw.size else 0.0, "updated": 0, "updates": 0,
         }  # fmt: skip
-        if seqs:
-            self._update(seqs, total_sampled, metrics)
+        mini = _split_mini_batches(chunks, cfg.mini_batches)
+        if mini:
+            self._update(mini, metrics)
         self.version += 1
         metrics["version"] = self.version
         metrics["step_time_s"] = time.perf_counter() - t0
         return metrics
 
-    def _update(self, seqs: list[SequenceInput], total_sampled: int, metrics: dict[str, float]) -> None:
+    def _update(self, mini: list[tuple[list[SequenceInput], int]], metrics: dict[str, float]) -> None:
+        """``epochs`` passes over the mini-batches, one optimizer update per mini-batch."""
         cfg = self.config
-        mbs = pack(seqs, cfg.micro_batch_tokens)
-        ent_sum = mis_sum = mis_n = 0.0
-        trained = sum(mb.num_sampled for mb in mbs)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
+        packed = [(pack(seqs, cfg.micro_batch_tokens), n) for seqs, n in mini]
+        single = cfg.epochs == 1 and len(packed) == 1
+        acc = {"ent": 0.0, "mis": 0.0, "mis_n": 0}
+        olds: list[list[torch.Tensor]] = []
+        if not single:
+            # Old logprobs under the weights before the first update, from a no-grad pass.
+            with torch.no_grad():
+                for mbs, _ in packed:
+                    olds.append([self._observe(token_logprobs(self.model, mb, True), mb, acc) for mb in mbs])
         weighted = {"clip_frac": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0, "kl_ref": 0.0}
-        for mb in mbs:
-            out = token_logprobs(self.model, mb, with_entropy=True)
-            lp = out.logprobs
-            # Old logprobs are the trainer's own, under the weights before this update. With one optimizer
-            # step per batch they equal this forward pass exactly, so they are taken from it (detached)
-            # instead of from a second, bit-identical no-grad pass.
-            old = lp.detach()
-            assert out.entropy is not None
-            ent_sum += float((out.entropy.detach() * mb.loss_mask).sum())
-            ok = (mb.loss_mask > 0) & torch.isfinite(mb.sampler_logprobs)
-            log_ratio = old[ok] - mb.sampler_logprobs[ok]  # log p_trainer - log p_sampler
-            mis_sum += float((torch.expm1(log_ratio) - log_ratio).sum())
-            mis_n += int(ok.sum())
-            ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref = token_logprobs(self.ref_model, mb).logprobs
-            loss, m = grpo_loss(
-                lp, old, mb.advantages, mb.loss_mask, cfg.clip_eps,
-                ref_logprobs=ref, kl_coef=cfg.kl_coef, num_tokens=total_sampled,
-            )  # fmt: skip
-            loss.backward()
-            loss_sum += float(loss.detach())
-            for key in weighted:
-                weighted[key] += m.get(key, 0.0) * m["tokens"]
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        w_tokens = loss_sum = norm_sum = 0.0
+        updates = 0
+        for _ in range(cfg.epochs):
+            for k, (mbs, n) in enumerate(packed):
+                self.optimizer.zero_grad(set_to_none=True)
+                for j, mb in enumerate(mbs):
+                    out = token_logprobs(self.model, mb, with_entropy=single)
+                    lp = out.logprobs
+                    # With one update per step the old logprobs equal this forward pass exactly, so they are
+                    # taken from it (detached) instead of from a second, bit-identical no-grad pass.
+                    old = self._observe(out, mb, acc) if single else olds[k][j]
+                    ref = None
+                    if self.ref_model is not None:
+                        with torch.no_grad():
+                            ref = token_logprobs(self.ref_model, mb).logprobs
+                    loss, m = grpo_loss(
+                        lp, old, mb.advantages, mb.loss_mask, cfg.clip_eps,
+                        ref_logprobs=ref, kl_coef=cfg.kl_coef, num_tokens=n,
+                    )  # fmt: skip
+                    loss.backward()
+                    loss_sum += float(loss.detach())
+                    w_tokens += m["tokens"]
+                    for key in weighted:
+                        weighted[key] += m.get(key, 0.0) * m["tokens"]
+                norm_sum += self._optimizer_step(metrics)
+                updates += 1
+        if self.ref_model is None:
+            del weighted["kl_ref"]
+        trained = sum(mb.num_sampled for mbs, _ in packed for mb in mbs)
+        n = max(trained, 1)
+        metrics.update({k: v / max(w_tokens, 1.0) for k, v in weighted.items()})
+        metrics.update(
+            loss=loss_sum / updates,
+            grad_norm=norm_sum / updates,
+            tokens=sum(mb.num_tokens for mbs, _ in packed for mb in mbs),
+            trained_tokens=trained,
+            micro_batches=sum(len(mbs) for mbs, _ in packed),
+            entropy=acc["ent"] / n,
+            mismatch_kl=acc["mis"] / max(acc["mis_n"], 1),
+            updates=updates,
+        )
+
+    @staticmethod
+    def _observe(out: LogprobOutput, mb: MicroBatch, acc: dict[str, float]) -> torch.Tensor:
+        """Accumulate entropy and trainer-vs-sampler mismatch (k3) of a forward; return detached logprobs."""
+        old = out.logprobs.detach()
+        if out.entropy is not None:
+            acc["ent"] += float((out.entropy.detach() * mb.loss_mask).sum())
+        ok = (mb.loss_mask > 0) & torch.isfinite(mb.sampler_logprobs)
+        log_ratio = old[ok] - mb.sampler_logprobs[ok]  # log p_trainer - log p_sampler
+        acc["mis"] += float((torch.expm1(log_ratio) - log_ratio).sum())
+        acc["mis_n"] += int(ok.sum())
+        return old
+
+    def _optimizer_step(self, metrics: dict[str, float]) -> float:
+        """Clip, step (unless the gradient is not finite) and clear; returns the pre-clip grad norm."""
+        max_norm = self.config.grad_clip if self.config.grad_clip > 0 else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         if math.isfinite(grad_norm):
             self.optimizer.step()
             metrics["updated"] = 1
         else:  # one bad batch must not destroy the weights: skip it and say so
-            log.warning("non-finite grad norm %s at version %d: step skipped", grad_norm, self.version)
+            log.warning("non-finite grad norm %s at version %d: update skipped", grad_norm, self.version)
         self.optimizer.zero_grad(set_to_none=True)
-        if self.ref_model is None:
-            del weighted["kl_ref"]
-        n = max(trained, 1)
-        metrics.update({k: v / n for k, v in weighted.items()})
-        metrics.update(
-            loss=loss_sum,
-            grad_norm=grad_norm,
-            tokens=sum(mb.num_tokens for mb in mbs),
-            trained_tokens=trained,
-            micro_batches=len(mbs),
-            entropy=ent_sum / n,
-            mismatch_kl=mis_sum / max(mis_n, 1),
-        )
+        return grad_norm
 
     # ------------------------------------------------------------------ publishing
     def _plan_publish(self) -> tuple[list[str], dict[str, str]]:
