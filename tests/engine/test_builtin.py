@@ -283,3 +283,58 @@ def test_stop_fails_pending_and_from_path(tmp_path):
     finally:
         loaded.stop()
     assert len(out.token_ids) == 4 and isinstance(loaded._runner, FastRunner)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
+def test_patch_weights_equals_full_update(kind):
+    """Patching a few elements of every tensor (derived fused buffers and tied lm_head included) gives the
+    same logits as loading the patched tensors in full; the pause path rebuilds nothing."""
+    patched = BuiltinEngine(make(kind), EngineConfig(max_batch=4, max_seq_len=64))
+    full = BuiltinEngine(make(kind), EngineConfig(max_batch=4, max_seq_len=64))
+    g = np.random.default_rng(0)
+    patches, tensors, seen = {}, {}, set()
+    for name, t in patched.model.state_dict().items():
+        if t.data_ptr() in seen:  # a tied tensor (lm_head) is published once, under its first name
+            continue
+        seen.add(t.data_ptr())
+        flat = t.detach().reshape(-1).numpy().copy()
+        idx = np.unique(g.integers(0, flat.size, size=max(1, flat.size // 50)))
+        flat[idx] = g.normal(size=idx.size).astype(np.float32)
+        patches[name] = (idx, flat[idx])
+        tensors[name] = flat.reshape(tuple(t.shape))
+    assert isinstance(patched.patch_weights(5, patches), float)
+    full.update_weights(5, tensors)
+    for e in (patched, full):
+        e.start()
+    try:
+        p = prompts(2)
+        a = patched.generate([req(x, n=6) for x in p])
+        b = full.generate([req(x, n=6) for x in p])
+        assert [c.token_ids for c in a] == [c.token_ids for c in b]
+        assert all(c.versions == [5] * 6 for c in a)
+        for k, v in full.model.state_dict().items():
+            assert torch.equal(patched.model.state_dict()[k], v), k
+        if isinstance(patched._runner, FastRunner):
+            for mine, ref in zip(patched._runner.wt, full._runner.wt, strict=True):
+                assert all(torch.equal(x, y) for x, y in zip(mine, ref, strict=True))
+            assert torch.equal(patched._runner.head_t, full._runner.head_t)
+    finally:
+        patched.stop()
+        full.stop()
+
+
+def test_patch_weights_bad_input_changes_nothing(engine):
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    name = "model.layers.0.mlp.up_proj.weight"
+    with pytest.raises(EngineError, match="outside"):
+        engine.patch_weights(2, {name: (np.array([0, 10**9]), np.zeros(2, np.float32))})
+    with pytest.raises(EngineError, match="no.such"):
+        engine.patch_weights(2, {"no.such": (np.array([0]), np.zeros(1, np.float32))})
+    with pytest.raises(EngineError, match="equal length"):
+        engine.patch_weights(2, {name: (np.array([0, 1]), np.zeros(1, np.float32))})
+    assert engine.version == 0
+    assert all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
+    # bfloat16 bit patterns (uint16), as the trainer publishes them, are read as bfloat16 values
+    bits = torch.tensor([1.5, -2.0]).to(torch.bfloat16).view(torch.uint16).numpy()
+    engine.patch_weights(3, {name: (np.array([0, 1]), bits)})
+    assert engine.model.state_dict()[name].view(-1)[:2].tolist() == [1.5, -2.0]

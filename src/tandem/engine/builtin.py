@@ -69,10 +69,22 @@ class _Pending:
 
 @dataclass
 class _Update:
+    """A queued weight change: full ``tensors`` and/or element ``patches`` (flat index, values)."""
+
     version: int
     tensors: dict[str, torch.Tensor]
+    patches: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    pause_s: float = 0.0
+
+
+def _as_values(value: np.ndarray | torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``value``; uint16 data for a floating-point target is read as bfloat16 bit patterns."""
+    t = torch.as_tensor(np.ascontiguousarray(value) if isinstance(value, np.ndarray) else value)
+    if t.dtype == torch.uint16 and target.is_floating_point():
+        t = t.view(torch.bfloat16)
+    return t
 
 
 def _resolve(fut: Future, completion: Completion) -> None:
@@ -208,8 +220,11 @@ class BuiltinEngine:
         futures = [self.submit(r) for r in requests]
         return [f.result() for f in futures]
 
-    def update_weights(self, version: int, tensors: dict[str, np.ndarray | torch.Tensor]) -> None:
-        """Copy ``tensors`` into the parameters between decode steps; later tokens carry ``version``."""
+    def update_weights(self, version: int, tensors: dict[str, np.ndarray | torch.Tensor]) -> float:
+        """Copy ``tensors`` into the parameters between decode steps; later tokens carry ``version``.
+
+        ``uint16`` arrays for floating-point parameters are bfloat16 bit patterns (the trainer's publish
+        format). Returns the pause in seconds (copy plus rebuilding derived buffers: a full reload)."""
         converted: dict[str, torch.Tensor] = {}
         for name, value in tensors.items():
             target = self._targets.get(name)
@@ -218,7 +233,7 @@ class BuiltinEngine:
                     f"update_weights: unknown tensor {name!r}; names are the model's state_dict keys"
                 )
             try:
-                t = torch.as_tensor(np.ascontiguousarray(value) if isinstance(value, np.ndarray) else value)
+                t = _as_values(value, target)
             except (TypeError, ValueError, RuntimeError) as e:
                 raise EngineError(f"update_weights: tensor {name!r} is not a numeric array ({e})") from e
             if tuple(t.shape) != tuple(target.shape):
@@ -228,6 +243,40 @@ class BuiltinEngine:
                 )
             converted[name] = t
         update = _Update(int(version), converted)
+        self._run_update(update)
+        return update.pause_s
+
+    def patch_weights(self, version: int, patches: dict[str, tuple[np.ndarray, np.ndarray]]) -> float:
+        """Set elements of parameters in place between decode steps: ``patches[name] = (flat_index, values)``
+        (values as in ``update_weights``: uint16 means bfloat16 bit patterns).
+
+        Everything is validated before anything is touched (EngineError naming the tensor, state unchanged);
+        derived buffers are patched element-wise, not rebuilt, so the pause is proportional to the number of
+        changed elements. Later tokens carry ``version``. Returns the pause in seconds.
+        """
+        converted: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, (index, values) in patches.items():
+            target = self._targets.get(name)
+            if target is None:
+                raise EngineError(f"patch_weights: unknown tensor {name!r}; names are the state_dict keys")
+            idx = torch.as_tensor(np.asarray(index, dtype=np.int64))
+            val = _as_values(values, target).to(target.dtype)
+            if idx.dim() != 1 or idx.shape != val.shape:
+                raise EngineError(
+                    f"patch_weights: tensor {name!r} needs 1-D index and values of equal length, got "
+                    f"{tuple(idx.shape)} and {tuple(val.shape)}"
+                )
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= target.numel()):
+                raise EngineError(
+                    f"patch_weights: tensor {name!r} has an index outside [0, {target.numel()}); "
+                    "nothing was applied"
+                )
+            converted[name] = (idx, val)
+        update = _Update(int(version), {}, converted)
+        self._run_update(update)
+        return update.pause_s
+
+    def _run_update(self, update: _Update) -> None:
         with self._cv:
             if self._running:
                 self._updates.append(update)
@@ -282,16 +331,22 @@ class BuiltinEngine:
                 self._stats["busy_s"] += time.perf_counter() - t0
 
     def _apply(self, u: _Update) -> None:
+        t0 = time.perf_counter()
         try:
             with torch.no_grad():
                 for name, t in u.tensors.items():
                     self._targets[name].copy_(t)
-                self._runner.refresh()
+                if u.tensors:
+                    self._runner.refresh()
+            with torch.inference_mode():  # the derived buffers are inference tensors
+                for name, (idx, val) in u.patches.items():
+                    self._runner.patch(self._targets[name], idx, val)
             self._version = u.version
         except Exception as e:  # noqa: BLE001 - reported to the caller
             u.error = EngineError(f"update_weights to version {u.version} failed: {e}")
         finally:
             self._prefix.drop_all()  # parked KV is of the old weights (also after a partial failure)
+            u.pause_s = time.perf_counter() - t0
             u.done.set()
 
     def _check(self, req: GenerationRequest) -> str | int:

@@ -1,7 +1,7 @@
 """Forward passes of the built-in engine over a slot KV cache.
 
 Two runners share one small interface (``prefill``, ``decode``, ``move``, ``release``, ``refresh``,
-``can_park``) over
+``patch``, ``can_park``) over
 ``max_slots`` cache slots:
 
 - ``FastRunner``: its own forward for Qwen3 / Qwen2 / Llama-style decoders (RMSNorm, optional per-head
@@ -11,7 +11,9 @@ Two runners share one small interface (``prefill``, ``decode``, ``move``, ``rele
 
 Invariants:
 - The HF module owns the parameters. ``FastRunner`` reads norms and embeddings by reference; its matrices
-  are derived buffers (fused, transposed) rebuilt by ``refresh()``: call it after changing weights.
+  are derived buffers (fused, transposed) rebuilt by ``refresh()``: call it after changing weights, or change
+  elements through ``patch(param, flat_index, values)``, which updates the parameter and its derived
+  buffers in place (cost proportional to the number of changed elements).
 - Active sessions occupy slots ``0..n-1`` (the engine compacts with ``move``), so a decode step works on
   views of the cache and never gathers it. ``lens[s]`` is the number of tokens cached in slot ``s``.
 - ``prefill(first, prompts, starts)`` fills slot ``first+j`` from position ``starts[j]`` (0 by default): the
@@ -116,6 +118,44 @@ class FastRunner:
                 )
                 self.bs.append((bias(*qkv), bias(a.o_proj), bias(*gu), bias(m.down_proj)))
             self.head_t = t(self.lm_head)
+        self._derived = self._derived_map()
+
+    def _derived_map(self) -> dict[int, list[tuple[torch.Tensor, int]]]:
+        """For each HF tensor a derived buffer is built from: ``id -> [(buffer, column offset)]``.
+
+        A weight ``W [out, in]`` sits transposed in its buffer: ``W[o, i] == buffer[i, offset + o]``; a bias
+        ``b [out]`` sits at ``buffer[offset + o]``.
+        """
+        out: dict[int, list[tuple[torch.Tensor, int]]] = {}
+
+        def place(mods: tuple[torch.nn.Module, ...], wt: torch.Tensor, bs: torch.Tensor | None) -> None:
+            off = 0
+            for m in mods:
+                out.setdefault(id(m.weight), []).append((wt, off))
+                if bs is not None and m.bias is not None:
+                    out.setdefault(id(m.bias), []).append((bs, off))
+                off += m.weight.shape[0]
+
+        for layer, wt, bs in zip(self.layers, self.wt, self.bs, strict=True):
+            a, m = layer.self_attn, layer.mlp
+            place((a.q_proj, a.k_proj, a.v_proj), wt[0], bs[0])
+            place((a.o_proj,), wt[1], bs[1])
+            place((m.gate_proj, m.up_proj), wt[2], bs[2])
+            place((m.down_proj,), wt[3], bs[3])
+        out.setdefault(id(self.lm_head), []).append((self.head_t, 0))
+        return out
+
+    def patch(self, param: torch.Tensor, flat_index: torch.Tensor, values: torch.Tensor) -> None:
+        """Set ``param.view(-1)[flat_index] = values`` and the same elements of every derived buffer, without
+        rebuilding anything: the cost is proportional to the number of changed elements."""
+        param.view(-1)[flat_index] = values
+        for buf, off in self._derived.get(id(param), ()):
+            if param.dim() == 1:
+                buf.view(-1)[off + flat_index] = values
+            else:
+                in_dim = param.shape[1]
+                rows, cols = flat_index // in_dim, flat_index % in_dim
+                buf.view(-1)[cols * buf.shape[1] + off + rows] = values
 
     # ---- building blocks -------------------------------------------------------------------------
 
@@ -277,6 +317,10 @@ class HFRunner:
 
     def refresh(self) -> None:
         pass
+
+    def patch(self, param: torch.Tensor, flat_index: torch.Tensor, values: torch.Tensor) -> None:
+        """The HF forward reads the parameters directly: patching them is all there is."""
+        param.view(-1)[flat_index] = values
 
     def prefill(
         self, first_slot: int, prompts: list[list[int]], starts: list[int] | None = None
