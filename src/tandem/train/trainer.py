@@ -1,20 +1,20 @@
 """The GRPO trainer: groups in, one optimizer step, weights out through one publish seam.
 
 Invariants:
-- Master weights and optimizer state are float32 (AdamW with ``TrainConfig`` lr/betas/weight_decay). The
-  model runs in eval mode (no dropout). With the default one optimizer step per batch
-  (``epochs = mini_batches = 1``) the old logprobs (the trainer's own, under the pre-update weights) are the detached logprobs of the gradient forward
-  itself: every ratio is exactly 1 and PPO clipping is inactive for this single step; no second pass.
-  With ``epochs * mini_batches > 1`` a step is PPO proper: old logprobs from one no-grad pass before the
-  first update, then ``epochs`` passes over ``mini_batches`` mini-batches of whole groups, one optimizer
-  update each, each normalised over its own groups' sampled tokens.
+- Master weights and optimizer state are float32 (AdamW with ``TrainConfig`` lr/betas/weight_decay). The model
+  runs in eval mode (no dropout). With the default one optimizer step per batch (``epochs = mini_batches =
+  1``) the old logprobs (the trainer's own, under the pre-update weights) are the detached logprobs of the
+  gradient forward itself: every ratio is exactly 1 and PPO clipping is inactive for this single step; no
+  second pass. With ``epochs * mini_batches > 1`` a step is PPO proper: old logprobs from one no-grad pass
+  before the first update, then ``epochs`` passes over ``mini_batches`` mini-batches of whole groups, one
+  optimizer update each, each normalised over its own groups' sampled tokens.
 - ``version`` is the number of ``step`` calls applied to the starting weights (0 = the base model, or what a
   checkpoint recorded). Every successful ``step`` increments it by exactly one, also when no trajectory
   carried signal; then the optimizer is not stepped (weights unchanged) and ``metrics["updated"] == 0``.
 - Loss normalisation is token-level over the update: the denominator is the number of sampled tokens of all
-  trajectories of all (non-empty) groups of the mini-batch (the whole step when ``mini_batches == 1``). Trajectories with zero advantage are dropped
-  before the forward only when ``kl_coef == 0`` (then their gradient is exactly zero), so dropping is a pure
-  compute saving and never changes the update.
+  trajectories of all (non-empty) groups of the mini-batch (the whole step when ``mini_batches == 1``).
+  Trajectories with zero advantage are dropped before the forward only when ``kl_coef == 0`` (then their
+  gradient is exactly zero), so dropping is a pure compute saving and never changes the update.
 - ``publish_state`` is the one seam through which weights leave the trainer: a dict of fresh numpy arrays
   (never views of live parameters) by HF state-dict name; tied weights appear once.
 - Same checkpoint + same groups => bitwise the same next weights (model, optimizer, version, RNG restored).

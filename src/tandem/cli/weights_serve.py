@@ -1,0 +1,122 @@
+"""`tandem weights serve` and `tandem weights relay`: the weight transport's HTTP servers, in the foreground.
+
+Invariants: each command prints one line with the URL it serves on, then blocks until Ctrl-C (or SIGTERM)
+and closes its server. Bad input (store directory missing or not a store, bad upstream URL, bad port or
+bandwidth, address in use) prints one ``error:`` line naming the value and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from tandem.weights.errors import NotAStoreError, TransportError, WeightStoreError
+from tandem.weights.httpconn import parse_source
+from tandem.weights.ratelimit import mbps_to_bytes_per_s
+from tandem.weights.relay import Relay
+from tandem.weights.store import WeightStore
+from tandem.weights.transport import serve_store
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _check_port(port: int) -> None:
+    if not 0 <= port <= 65535:
+        _fail(f"--port {port} is not a TCP port (0-65535; 0 picks a free one)")
+
+
+def _bandwidth(option: str, mbps: float | None) -> float | None:
+    if mbps is None:
+        return None
+    if not mbps > 0:
+        _fail(f"{option} must be > 0 Mbit/s, got {mbps}")
+    return mbps_to_bytes_per_s(mbps)
+
+
+def _block_until_interrupted(server: Any) -> None:
+    def _on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _on_term)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        typer.echo("stopping")
+    finally:
+        server.close()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def serve(
+    store: Annotated[Path, typer.Option("--store", help="Weight store directory to serve (read-only).")],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0 picks a free one).")] = 8765,
+    bandwidth_mbps: Annotated[
+        float | None, typer.Option(help="Cap the server's total egress at this many Mbit/s (simulation).")
+    ] = None,
+) -> None:
+    """Serve a weight store over HTTP: /v1/weights/latest, manifests/N, blobs/SHA256 (with Range)."""
+    _check_port(port)
+    rate = _bandwidth("--bandwidth-mbps", bandwidth_mbps)
+    if not store.is_dir():
+        _fail(f"--store {str(store)!r} is not an existing directory; pass a weight store directory")
+    try:
+        opened = WeightStore.open(store)
+        server = serve_store(opened, host, port, rate)
+    except NotAStoreError as e:
+        _fail(f"--store {str(store)!r}: {e}")
+        return
+    except OSError as e:
+        _fail(f"cannot listen on {host}:{port}: {e}")
+        return
+    latest = opened.latest()
+    typer.echo(f"serving weight store {store} (latest version {latest}) at {server.url}", err=False)
+    _block_until_interrupted(server)
+
+
+def relay(
+    upstream: Annotated[
+        list[str],
+        typer.Option(help="Upstream server or relay URL, e.g. http://trainer:8765 (repeat for fallbacks)."),
+    ],
+    cache_dir: Annotated[Path, typer.Option(help="Directory for the relay's verified blob cache.")] = Path(
+        ".tandem-relay-cache"
+    ),
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0 picks a free one).")] = 8766,
+    upstream_bandwidth_mbps: Annotated[
+        float | None, typer.Option(help="Cap the relay's upstream link at this many Mbit/s (simulation).")
+    ] = None,
+) -> None:
+    """Relay a weight server to local clients: fetch each blob once from upstream, cache it, serve many."""
+    if not upstream:
+        _fail("--upstream URL is required (the weight server to relay, e.g. http://127.0.0.1:8765)")
+    for url in upstream:
+        try:
+            parse_source(url)
+        except TransportError as e:
+            _fail(f"--upstream: {e}")
+    _check_port(port)
+    rate = _bandwidth("--upstream-bandwidth-mbps", upstream_bandwidth_mbps)
+    if cache_dir.exists() and not cache_dir.is_dir():
+        _fail(f"--cache-dir {str(cache_dir)!r} exists and is not a directory")
+    try:
+        server = Relay(upstream, cache_dir, host, port, upstream_bandwidth_bytes_per_s=rate)
+    except OSError as e:
+        _fail(f"cannot listen on {host}:{port}: {e}")
+        return
+    try:
+        latest = server.latest()
+    except WeightStoreError as e:
+        latest = None
+        typer.echo(f"warning: upstream not reachable yet ({e}); will retry on each request", err=True)
+    typer.echo(f"relaying {', '.join(upstream)} (latest version {latest}) at {server.url}")
+    _block_until_interrupted(server)

@@ -1,0 +1,345 @@
+"""HTTP transport of a weight store: the server (``serve_store``), shared with relays, and its routes.
+
+Routes (GET and HEAD):
+- ``/v1/weights/latest`` -> ``{"version": int | null}``
+- ``/v1/weights/manifests/{version}`` -> the manifest JSON exactly as stored (404 names the version)
+- ``/v1/weights/blobs/{sha256}`` -> the blob's bytes; ``Range: bytes=a-b`` / ``a-`` / ``-n`` answers 206 with
+  ``Content-Range``, an unsatisfiable range 416; multi-range requests get the whole blob (200)
+- ``/v1/weights/stats`` -> the server's counters (requests, blob GETs per key, bytes sent)
+
+Invariants: a blob is sent only after its bytes were checked against its address (once per process per
+blob; a corrupt blob is answered 502 and never sent); a bad request gets an error status and a JSON
+``{"error": ...}`` body and the server keeps running; ``close()`` stops accepting, aborts transfers in flight
+(clients see a short read and resume elsewhere) and returns promptly. The optional bandwidth limit is one
+token bucket for the whole server (all connections share it, like one uplink).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from tandem.weights.client import WeightClient
+from tandem.weights.errors import (
+    CorruptBlobError,
+    MissingBlobError,
+    TransportError,
+    VersionNotFoundError,
+    WeightStoreError,
+)
+from tandem.weights.manifest import is_sha256
+from tandem.weights.ratelimit import TokenBucket
+from tandem.weights.store import WeightStore
+
+__all__ = ["BlobReader", "BlobSource", "WeightClient", "WeightServer", "serve_store"]
+
+log = logging.getLogger(__name__)
+PREFIX = "/v1/weights"
+READ_CHUNK = 1 << 20
+CORRUPT_HEADER = "X-Tandem-Error"
+SEND_CHUNK = 64 * 1024
+
+
+@dataclass
+class BlobReader:
+    """A verified blob: its size and a reader of bytes ``[start, end)``."""
+
+    size: int
+    read: Callable[[int, int], bytes]
+
+
+class BlobSource(Protocol):
+    def latest(self) -> int | None: ...
+
+    def manifest_bytes(self, version: int) -> bytes: ...
+
+    def open_blob(self, key: str) -> BlobReader: ...
+
+
+class StoreSource:
+    """Serves a ``WeightStore`` directly."""
+
+    def __init__(self, store: WeightStore) -> None:
+        self.store = store
+
+    def latest(self) -> int | None:
+        return self.store.latest()
+
+    def manifest_bytes(self, version: int) -> bytes:
+        return self.store.manifest_bytes(version)
+
+    def open_blob(self, key: str) -> BlobReader:
+        size = self.store.verify_blob(key)
+        return BlobReader(size, lambda start, end: self.store.blob_range(key, start, end))
+
+
+class ServerStats:
+    """Thread-safe counters of one server."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self.counts: Counter[str] = Counter()
+        self.blob_gets: Counter[str] = Counter()
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._mutex:
+            self.counts[name] += n
+
+    def blob_get(self, key: str) -> None:
+        with self._mutex:
+            self.blob_gets[key] += 1
+            self.counts["blob_gets"] += 1
+
+    def stream(self, delta: int) -> None:
+        """Track blob responses in flight and the most seen at once (``max_concurrent_streams``)."""
+        with self._mutex:
+            self.counts["streams_in_flight"] += delta
+            peak = max(self.counts["max_concurrent_streams"], self.counts["streams_in_flight"])
+            self.counts["max_concurrent_streams"] = peak
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._mutex:
+            return {**self.counts, "blob_gets_by_key": dict(self.blob_gets)}
+
+
+class _Unsatisfiable(Exception):
+    pass
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """``[start, end)`` of a single-range header, None for "whole blob"; raises ``_Unsatisfiable``."""
+    if not header or not header.startswith("bytes=") or "," in header:
+        return None
+    first, sep, last = header[6:].strip().partition("-")
+    if not sep or not (first.isdigit() or last.isdigit()) or (first and not first.isdigit()):
+        return None
+    if last and not last.isdigit():
+        return None
+    if not first:  # suffix: the last n bytes
+        n = int(last)
+        if n == 0 or size == 0:
+            raise _Unsatisfiable
+        return max(0, size - n), size
+    start = int(first)
+    end = min(size, int(last) + 1) if last else size
+    if start >= size or end <= start:
+        raise _Unsatisfiable
+    return start, end
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    owner: WeightServer
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        self.owner._track(request, True)
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.owner._track(request, False)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    timeout = 120
+    server: _HTTPServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def do_GET(self) -> None:
+        self._dispatch(head=False)
+
+    def do_HEAD(self) -> None:
+        self._dispatch(head=True)
+
+    def _dispatch(self, head: bool) -> None:
+        owner = self.server.owner
+        owner.stats.add("requests")
+        path = urlsplit(self.path).path.rstrip("/")
+        try:
+            if path == f"{PREFIX}/latest":
+                self._send_json(200, {"version": owner.source.latest()}, head)
+            elif path == f"{PREFIX}/stats":
+                self._send_json(200, owner.stats.snapshot(), head)
+            elif path.startswith(f"{PREFIX}/manifests/"):
+                self._manifest(path.rsplit("/", 1)[1], head)
+            elif path.startswith(f"{PREFIX}/blobs/"):
+                self._blob(path.rsplit("/", 1)[1], head)
+            else:
+                self._error(404, f"no route {self.path!r}; see /v1/weights/latest, manifests/N, blobs/SHA256")
+        except (VersionNotFoundError, MissingBlobError) as e:
+            self._error(404, str(e))
+        except CorruptBlobError as e:
+            owner.stats.add("corrupt_blobs")
+            self._error(502, str(e), extra={CORRUPT_HEADER: "corrupt-blob"})
+        except TransportError as e:
+            self._error(502, str(e))
+        except WeightStoreError as e:
+            self._error(500, str(e))
+        except (ConnectionError, TimeoutError, _Aborted):
+            self.close_connection = True
+        except Exception as e:  # a bad request never takes the server down
+            log.exception("weights server: %s failed", self.path)
+            self._error(500, f"internal error: {type(e).__name__}: {e}")
+
+    def _manifest(self, text: str, head: bool) -> None:
+        if not text.isdigit():
+            self._error(400, f"manifest version {text!r} is not a non-negative integer")
+            return
+        body = self.server.owner.source.manifest_bytes(int(text))
+        self._send(200, body, "application/json", head)
+
+    def _blob(self, key: str, head: bool) -> None:
+        owner = self.server.owner
+        if not is_sha256(key):
+            self._error(400, f"blob address {key!r} is not 64 lowercase hex digits")
+            return
+        reader = owner.source.open_blob(key)
+        try:
+            rng = parse_range(self.headers.get("Range"), reader.size)
+        except _Unsatisfiable:
+            self._error(
+                416,
+                f"range {self.headers.get('Range')!r} outside blob of {reader.size} bytes",
+                extra={"Content-Range": f"bytes */{reader.size}"},
+            )
+            return
+        start, end = rng if rng is not None else (0, reader.size)
+        self.send_response(206 if rng is not None else 200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(end - start))
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("ETag", f'"{key}"')
+        if rng is not None:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{reader.size}")
+        self.end_headers()
+        if head:
+            return
+        owner.stats.blob_get(key)
+        owner.stats.stream(+1)
+        try:
+            self._stream(reader, start, end)
+        finally:
+            owner.stats.stream(-1)
+
+    def _stream(self, reader: BlobReader, start: int, end: int) -> None:
+        owner = self.server.owner
+        pos = start
+        while pos < end:
+            try:
+                chunk = reader.read(pos, min(end, pos + READ_CHUNK))
+            except Exception as e:  # headers are out: the only honest signal left is a short response
+                log.warning("weights server: reading blob failed mid-response: %s", e)
+                raise _Aborted from e
+            if not chunk:  # the blob shrank after it was verified: cut the response short
+                raise _Aborted
+            for i in range(0, len(chunk), SEND_CHUNK):
+                piece = chunk[i : i + SEND_CHUNK]
+                if owner.limiter is not None:
+                    owner.limiter.consume(len(piece), owner.stopping)
+                if owner.stopping.is_set():
+                    raise _Aborted
+                self.wfile.write(piece)
+                owner.stats.add("bytes_sent", len(piece))
+            pos += len(chunk)
+
+    def _send_json(self, status: int, obj: Any, head: bool) -> None:
+        self._send(status, json.dumps(obj).encode(), "application/json", head)
+
+    def _error(self, status: int, message: str, extra: dict[str, str] | None = None) -> None:
+        self.server.owner.stats.add(f"status_{status}")
+        self._send(
+            status, json.dumps({"error": message}).encode(), "application/json", self.command == "HEAD", extra
+        )
+
+    def _send(
+        self, status: int, body: bytes, ctype: str, head: bool, extra: dict[str, str] | None = None
+    ) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in (extra or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+
+class _Aborted(Exception):
+    pass
+
+
+class WeightServer:
+    """An HTTP server over a ``BlobSource`` in a background thread; ``url`` is where it listens."""
+
+    def __init__(
+        self,
+        source: BlobSource,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        bandwidth_bytes_per_s: float | None = None,
+    ) -> None:
+        self.source = source
+        self.limiter = TokenBucket(bandwidth_bytes_per_s) if bandwidth_bytes_per_s else None
+        self.stats = ServerStats()
+        self.stopping = threading.Event()
+        self._connections: set[socket.socket] = set()
+        self._conn_mutex = threading.Lock()
+        self._httpd = _HTTPServer((host, port), _Handler)
+        self._httpd.owner = self
+        self.host, self.port = self._httpd.server_address[:2]
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, args=(0.05,), name=f"weights-http-{self.port}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in str(self.host) else self.host
+        return f"http://{host}:{self.port}"
+
+    def _track(self, sock: socket.socket, add: bool) -> None:
+        with self._conn_mutex:
+            if add:
+                self._connections.add(sock)
+            else:
+                self._connections.discard(sock)
+
+    def close(self) -> None:
+        """Stop serving and abort every transfer in flight."""
+        if self.stopping.is_set():
+            return
+        self.stopping.set()
+        self._httpd.shutdown()
+        with self._conn_mutex:
+            connections = list(self._connections)
+        for sock in connections:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> WeightServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def serve_store(
+    store: WeightStore, host: str = "127.0.0.1", port: int = 0, bandwidth_bytes_per_s: float | None = None
+) -> WeightServer:
+    """Serve ``store`` over HTTP (see the module docstring); ``bandwidth_bytes_per_s`` caps total egress."""
+    return WeightServer(StoreSource(store), host, port, bandwidth_bytes_per_s)

@@ -1,0 +1,61 @@
+"""`tandem weights serve` / `relay` as plain functions behind typer: bad input exits 2; serve answers HTTP."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import typer
+from typer.testing import CliRunner
+
+from tandem.cli.weights_serve import relay, serve
+from tandem.weights.store import WeightStore
+
+REPO = Path(__file__).resolve().parents[2]
+app = typer.Typer()
+app.command("serve")(serve)
+app.command("relay")(relay)
+runner = CliRunner()
+
+
+def test_bad_input_names_the_value_and_exits_2(tmp_path):
+    cases = [
+        (["serve", "--store", str(tmp_path / "missing")], "missing"),
+        (["serve", "--store", str(tmp_path)], "not a weight store"),
+        (["serve", "--store", str(tmp_path), "--port", "70000"], "--port 70000"),
+        (["serve", "--store", str(tmp_path), "--bandwidth-mbps", "0"], "--bandwidth-mbps must be > 0"),
+        (["relay", "--upstream", "ftp://example"], "ftp://example"),
+        (["relay", "--upstream", "http://127.0.0.1:99999"], "http://127.0.0.1:99999"),
+        (["relay", "--upstream", "http://127.0.0.1:1", "--upstream-bandwidth-mbps", "-5"], "-5"),
+    ]
+    for args, needle in cases:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert "error:" in result.output and needle in result.output, (args, result.output)
+
+
+def test_serve_prints_its_url_answers_and_stops_on_ctrl_c(tmp_path):
+    store = WeightStore.open(tmp_path / "store", create=True)
+    store.publish(0, None, "full", "h0", {"w": b"weights"})
+    store.close()
+    code = "import typer; from tandem.cli.weights_serve import serve; typer.run(serve)"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    args = [sys.executable, "-c", code, "--store", str(tmp_path / "store"), "--port", "0"]
+    proc = subprocess.Popen(
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "latest version 0" in line, line + proc.stderr.read()
+        url = line.rsplit(" at ", 1)[1].strip()
+        with urllib.request.urlopen(f"{url}/v1/weights/latest", timeout=10) as resp:
+            assert json.loads(resp.read()) == {"version": 0}
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

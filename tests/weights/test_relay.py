@@ -1,0 +1,118 @@
+"""Regional relays: one upstream fetch per blob for many clients, verified cache, fallback when killed."""
+
+import os
+import threading
+import time
+
+import pytest
+
+from tandem.weights.client import WeightClient
+from tandem.weights.errors import CorruptBlobError, TransportError
+from tandem.weights.relay import Relay
+from tandem.weights.store import WeightStore
+from tandem.weights.transport import serve_store
+
+
+def make_store(path, sizes):
+    store = WeightStore.open(path, create=True)
+    blobs = {name: os.urandom(size) for name, size in sizes.items()}
+    store.publish(0, None, "full", "h0", blobs)
+    store.publish(1, 0, "delta", "h1", {"d": os.urandom(1000)})
+    store.close()
+    return store, blobs
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+def test_relay_fetches_each_blob_once_for_many_clients(tmp_path):
+    store, blobs = make_store(tmp_path / "s", {f"t{i}": 60_000 + i for i in range(5)})
+    upstream = serve_store(store)
+    # a slow upstream link (2 MB/s) keeps fetches in flight while all clients ask for the same blobs
+    relay = Relay([upstream.url], tmp_path / "cache", upstream_bandwidth_bytes_per_s=2e6)
+    results, errors = [], []
+
+    def engine():
+        try:
+            with WeightClient([relay.url], parallel=2) as client:
+                results.append(client.download(client.manifest(0).blobs))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=engine) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors and results == [blobs] * 4
+    up = upstream.stats.snapshot()
+    keys = {store.manifest(0).blobs[name].key for name in blobs}
+    assert up["blob_gets_by_key"] == dict.fromkeys(keys, 1)  # once each, whatever the number of clients
+    stats = relay.stats()
+    assert stats["upstream_blob_fetches"] == 5
+    assert stats["served"]["blob_gets"] == 20 and stats["coalesced"] + stats["cache_hits"] == 15
+    assert relay.upstream_limiter.bytes == sum(len(b) for b in blobs.values())
+    with WeightClient(relay.url) as client:  # manifests and latest are proxied unchanged
+        assert client.latest() == 1 and client.manifest_bytes(1) == store.manifest_bytes(1)
+    relay.close()
+    upstream.close()
+
+
+def test_relay_killed_mid_transfer_client_resumes_from_upstream(tmp_path):
+    store, blobs = make_store(tmp_path / "s", {"w": 2_000_000})
+    size = len(blobs["w"])
+    upstream = serve_store(store)
+    relay = Relay([upstream.url], tmp_path / "cache", bandwidth_bytes_per_s=1e6)  # slow local egress
+    client = WeightClient([relay.url, upstream.url], parallel=1, backoff_s=0.01)
+    manifest = client.manifest(0)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(client.download(manifest.blobs)))
+    worker.start()
+    wait_for(lambda: relay.server.stats.snapshot().get("bytes_sent", 0) >= 300_000)
+    relay.close()
+    worker.join(timeout=30)
+    assert result["w"] == blobs["w"]
+    stats = client.stats
+    assert stats["resumes"] == 1 and stats["resumed_bytes"] >= 200_000
+    # upstream sent the relay one full copy, then the client only the tail the relay did not deliver
+    assert upstream.stats.snapshot()["bytes_sent"] == size + size - stats["resumed_bytes"]
+    client.close()
+    upstream.close()
+
+
+def test_relay_restarts_from_its_verified_cache_without_upstream(tmp_path):
+    store, blobs = make_store(tmp_path / "s", {"w": 30_000})
+    upstream = serve_store(store)
+    with Relay([upstream.url], tmp_path / "cache") as relay, WeightClient(relay.url) as client:
+        assert client.download(client.manifest(0).blobs) == blobs
+    upstream.close()
+    key = store.manifest(0).blobs["w"].key
+    with Relay([upstream.url], tmp_path / "cache", retries=0) as relay:
+        with WeightClient(relay.url, retries=0) as client:
+            assert client.download(client.manifest(0).blobs) == blobs
+            assert relay.stats()["upstream_blob_fetches"] == 0
+            with pytest.raises(TransportError, match="latest"):
+                client.latest()  # never seen and upstream down: an error response, not a crash
+    # a cache file that went bad is re-hashed at start and never served
+    (tmp_path / "cache" / "blobs" / key).write_bytes(b"rot")
+    with Relay([upstream.url], tmp_path / "cache", retries=0) as relay:
+        with WeightClient(relay.url, retries=0) as client:
+            with pytest.raises(TransportError, match="502"):
+                client.download(client.manifest(0).blobs)
+    assert not (tmp_path / "cache" / "blobs" / key).exists()
+
+
+def test_relay_never_caches_a_corrupt_upstream_blob(tmp_path):
+    store, blobs = make_store(tmp_path / "s", {"w": 30_000})
+    key = store.manifest(0).blobs["w"].key
+    path = tmp_path / "s" / "blobs" / key
+    path.write_bytes(path.read_bytes()[:-5])
+    with serve_store(store) as upstream, Relay([upstream.url], tmp_path / "cache", retries=0) as relay:
+        with WeightClient(relay.url, retries=0) as client:
+            with pytest.raises(CorruptBlobError, match=key[:16]):
+                client.download(client.manifest(0).blobs)
+    assert not (tmp_path / "cache" / "blobs" / key).exists()
