@@ -31,6 +31,11 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
         assert key in rows[-1], key
     assert all(row["staleness_max"] <= 2 for row in rows)
     assert rows[-1]["version"] == 3
+    # The default weight path: each version went to the run's store as a lossless delta, far smaller than
+    # the bf16 weights, and the engine fetched and patched it without a recovery.
+    assert all(row["weight_delta_bytes"] > 0 and row["weight_ratio"] > 2 for row in rows)
+    assert all(row.get("weight_recoveries", 0) == 0 for row in rows)
+    assert sorted(p.name for p in (run_dir / "weights" / "manifests").iterdir())[-1] == "v00000003.json"
     for name in (
         "config.toml",
         "report.md",
@@ -68,6 +73,7 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert rows[-1]["staleness_max"] == 0 and rows[-1]["version"] == 4
+    assert rows[-1]["engine_pause_s"] > 0 and rows[-1]["weight_recoveries"] == 0
 
 
 def test_invalid_config_refuses_to_start_and_names_the_field(tmp_path):

@@ -198,11 +198,75 @@ def bench_prefix(
     typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
 
 
+@bench_app.command("codec")
+def bench_codec(
+    size_gb: Annotated[float, typer.Option(help="Synthetic workload size, GiB of bf16 weights.")] = 1.0,
+    model: Annotated[str, typer.Option(help="Model directory of the tandem_train workload.")] = (
+        "models/tandem-base"
+    ),
+    steps: Annotated[int, typer.Option(help="Consecutive version pairs measured in tandem_train.")] = 3,
+    warmup: Annotated[int, typer.Option(help="Optimizer steps before the measured versions.")] = 6,
+    train_lr: Annotated[
+        float | None, typer.Option(help="Override the default run's lr in tandem_train.")
+    ] = None,
+    threads: Annotated[int, typer.Option(help="Threads for the *_threadsN numbers.")] = 2,
+    repeats: Annotated[int, typer.Option(help="Timed repeats; the best counts.")] = 3,
+    workload: Annotated[
+        list[str] | None, typer.Option(help="tandem_train | synthetic_1gb (repeatable).")
+    ] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Lossless weight-delta codec vs zstd, XOR+zstd, indices+values and ZipNN on real AdamW updates."""
+    from tandem.bench.codec import WORKLOADS, run_codec_bench
+
+    chosen = tuple(workload or WORKLOADS)
+    path = resolve_model_path(model)
+    if "tandem_train" in chosen:
+        check_model_path(path)
+    try:
+        out = run_codec_bench(
+            size_gb=size_gb, model_path=path, steps=steps, warmup=warmup, threads=threads,
+            repeats=repeats, train_lr=train_lr, workloads=chosen,
+        )  # fmt: skip
+    except ValueError as e:
+        fail(str(e))
+    typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
+
+
+@bench_app.command("sync")
+def bench_sync(
+    model: Annotated[str, typer.Option(help="Model the engines serve and the trainer updates.")] = (
+        "models/tandem-base"
+    ),
+    relays: Annotated[int, typer.Option(help="Relays (regions), each with its own throttled link.")] = 2,
+    engines: Annotated[int, typer.Option(help="Engine processes, spread over the relays.")] = 4,
+    bandwidth_mbps: Annotated[float, typer.Option(help="Each relay's upstream link, Mbit/s.")] = 100.0,
+    deltas: Annotated[int, typer.Option(help="Delta versions to publish and time.")] = 3,
+    lr: Annotated[float, typer.Option(help="Learning rate of the real trainer steps.")] = 2e-5,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Publish -> relays -> engines: time to serve a new version as a delta vs as a full checkpoint."""
+    path = resolve_model_path(model)
+    check_model_path(path)
+    from tandem.bench.sync import run_sync_bench
+
+    try:
+        out = run_sync_bench(path, relays, engines, bandwidth_mbps, deltas, lr)
+    except ValueError as e:
+        fail(str(e))
+    typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
+
+
 def _mount_subcommands() -> None:
     from tandem.cli import midtrain as midtrain_cli
     from tandem.cli import sandbox as sandbox_cli
+    from tandem.cli import weights as weights_cli
+    from tandem.cli import weights_serve
 
     app.add_typer(sandbox_cli.app, name="sandbox")
+    weights_cli.weights_app.command("serve")(weights_serve.serve)
+    weights_cli.weights_app.command("relay")(weights_serve.relay)
+    app.add_typer(weights_cli.weights_app, name="weights")
     app.command("midtrain")(midtrain_cli.midtrain_command)
 
 

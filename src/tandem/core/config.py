@@ -133,6 +133,31 @@ class TrainConfig(Section):
     """Seed of the trainer and of sampling."""
 
 
+class WeightsConfig(Section):
+    transport: Literal["delta", "object_store"] = "delta"
+    """How new weights reach engines. "delta": the trainer publishes each version as a lossless bf16 delta
+    (a full snapshot every ``snapshot_every`` versions) to a versioned store served over HTTP, and engines
+    fetch, verify and patch changed elements in place. "object_store": full tensors in ``model.dtype``
+    through Ray's object store (the path before deltas, kept to compare against)."""
+    store: str = ""
+    """Where the store lives: a directory, or ``s3://bucket/prefix`` (credentials and endpoint from the usual
+    AWS environment variables). Empty: ``<run_dir>/weights``."""
+    snapshot_every: int = 20
+    """A full snapshot every K versions bounds the delta chain a new or lagging engine must replay."""
+    keep_versions: int = 8
+    """Garbage collection keeps the versions readers may still need: the latest ``keep_versions`` and the
+    snapshot below them."""
+    codec_threads: int = 1
+    """Threads for encoding (trainer) and decoding (engines) deltas."""
+    connections: int = 4
+    """Parallel HTTP connections an engine uses to download a version's blobs."""
+    relays: int = 0
+    """Relays between the store server and the engines (one per region in production; local processes
+    here). 0: engines fetch from the store server directly."""
+    bandwidth_mbps: float = 0.0
+    """Throttle of each relay's upstream link (Mbit/s) to simulate a WAN; 0 = unthrottled."""
+
+
 class OrchestratorConfig(Section):
     mode: Literal["async", "sync"] = "async"
     """`async`: trainer and engines overlap, bounded staleness; `sync`: generate, then train, then update."""
@@ -169,6 +194,7 @@ class RunConfig(Section):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
     orchestrator: OrchestratorConfig = Field(default_factory=OrchestratorConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
@@ -194,6 +220,10 @@ class RunConfig(Section):
             "train.micro_batch_tokens": self.train.micro_batch_tokens,
             "train.threads": self.train.threads, "train.epochs": self.train.epochs,
             "train.mini_batches": self.train.mini_batches,
+            "weights.snapshot_every": self.weights.snapshot_every,
+            "weights.keep_versions": self.weights.keep_versions,
+            "weights.codec_threads": self.weights.codec_threads,
+            "weights.connections": self.weights.connections,
             "orchestrator.steps": self.orchestrator.steps,
             "eval.samples_per_task": self.eval.samples_per_task,
             "orchestrator.request_timeout_s": self.orchestrator.request_timeout_s,
@@ -204,6 +234,11 @@ class RunConfig(Section):
         if not self.tasks.levels or any(lv not in (1, 2, 3) for lv in self.tasks.levels):
             raise ValueError(
                 f"tasks.levels must be a non-empty list drawn from 1, 2, 3; got {self.tasks.levels}"
+            )
+        if self.weights.relays < 0 or self.weights.bandwidth_mbps < 0:
+            raise ValueError(
+                f"weights.relays ({self.weights.relays}) and weights.bandwidth_mbps "
+                f"({self.weights.bandwidth_mbps}) must be >= 0"
             )
         if self.train.mini_batches > self.train.groups_per_step:
             raise ValueError(

@@ -41,7 +41,7 @@ from tandem.core.config import EngineConfig
 from tandem.core.errors import EngineError, ModelLoadError
 from tandem.core.generation import Completion, GenerationRequest
 from tandem.engine.prefix import PrefixCache
-from tandem.engine.runner import FastRunner, HFRunner, fast_supported
+from tandem.engine.runner import FastRunner, HFRunner, Write, apply_writes, fast_supported
 from tandem.engine.sampling import UniformStream, sample
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -74,6 +74,8 @@ class _Update:
     version: int
     tensors: dict[str, torch.Tensor]
     patches: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    writes: list[Write] = field(default_factory=list)  # ``patches`` planned against runner ``generation``
+    generation: int = -1
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     pause_s: float = 0.0
@@ -273,8 +275,16 @@ class BuiltinEngine:
                 )
             converted[name] = (idx, val)
         update = _Update(int(version), {}, converted)
+        # Index arithmetic now, in the caller's thread: the loop only scatters (unless a full update
+        # rebuilt the derived buffers in between, then it re-plans).
+        update.generation = self._runner.generation
+        update.writes = self._plan(converted)
         self._run_update(update)
         return update.pause_s
+
+    def _plan(self, patches: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[Write]:
+        plan = self._runner.plan_patch
+        return [w for name, (i, v) in patches.items() for w in plan(self._targets[name], i, v)]
 
     def _run_update(self, update: _Update) -> None:
         with self._cv:
@@ -338,9 +348,12 @@ class BuiltinEngine:
                     self._targets[name].copy_(t)
                 if u.tensors:
                     self._runner.refresh()
-            with torch.inference_mode():  # the derived buffers are inference tensors
-                for name, (idx, val) in u.patches.items():
-                    self._runner.patch(self._targets[name], idx, val)
+            if u.patches:
+                writes = u.writes
+                if u.generation != self._runner.generation:
+                    writes = self._plan(u.patches)
+                with torch.inference_mode():  # the derived buffers are inference tensors
+                    apply_writes(writes)
             self._version = u.version
         except Exception as e:  # noqa: BLE001 - reported to the caller
             u.error = EngineError(f"update_weights to version {u.version} failed: {e}")

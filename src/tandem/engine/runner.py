@@ -1,7 +1,7 @@
 """Forward passes of the built-in engine over a slot KV cache.
 
 Two runners share one small interface (``prefill``, ``decode``, ``move``, ``release``, ``refresh``,
-``patch``, ``can_park``) over
+``plan_patch``, ``can_park``) over
 ``max_slots`` cache slots:
 
 - ``FastRunner``: its own forward for Qwen3 / Qwen2 / Llama-style decoders (RMSNorm, optional per-head
@@ -12,8 +12,9 @@ Two runners share one small interface (``prefill``, ``decode``, ``move``, ``rele
 Invariants:
 - The HF module owns the parameters. ``FastRunner`` reads norms and embeddings by reference; its matrices
   are derived buffers (fused, transposed) rebuilt by ``refresh()``: call it after changing weights, or change
-  elements through ``patch(param, flat_index, values)``, which updates the parameter and its derived
-  buffers in place (cost proportional to the number of changed elements).
+  elements through ``plan_patch(param, flat_index, values)`` + ``apply_writes``, which update the parameter
+  and its derived buffers in place (cost proportional to the number of changed elements). A plan refers to
+  the buffers of the last ``refresh``; ``generation`` counts refreshes so a stale plan can be detected.
 - Active sessions occupy slots ``0..n-1`` (the engine compacts with ``move``), so a decode step works on
   views of the cache and never gathers it. ``lens[s]`` is the number of tokens cached in slot ``s``.
 - ``prefill(first, prompts, starts)`` fills slot ``first+j`` from position ``starts[j]`` (0 by default): the
@@ -24,6 +25,8 @@ Invariants:
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +47,21 @@ def fast_supported(model: PreTrainedModel) -> str | None:
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):
         return "model has no .model.layers"
     return None
+
+
+@dataclass
+class Write:
+    """Set ``flat[index] = values`` (``flat`` is a 1-D view of a parameter or a derived buffer)."""
+
+    flat: torch.Tensor
+    index: torch.Tensor
+    values: torch.Tensor
+
+
+def apply_writes(writes: list[Write]) -> None:
+    """Scatter planned writes (call under ``torch.inference_mode``: derived buffers are inference tensors)."""
+    for w in writes:
+        w.flat.index_copy_(0, w.index, w.values)
 
 
 def _mm(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -102,6 +120,7 @@ class FastRunner:
                 [m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in mods]
             )
 
+        self.generation = getattr(self, "generation", 0) + 1
         with torch.inference_mode():
             self.wt: list[tuple[torch.Tensor, ...]] = []
             self.bs: list[tuple[torch.Tensor | None, ...]] = []
@@ -145,17 +164,19 @@ class FastRunner:
         out.setdefault(id(self.lm_head), []).append((self.head_t, 0))
         return out
 
-    def patch(self, param: torch.Tensor, flat_index: torch.Tensor, values: torch.Tensor) -> None:
-        """Set ``param.view(-1)[flat_index] = values`` and the same elements of every derived buffer, without
-        rebuilding anything: the cost is proportional to the number of changed elements."""
-        param.view(-1)[flat_index] = values
+    def plan_patch(self, param: torch.Tensor, flat_index: torch.Tensor, values: torch.Tensor) -> list[Write]:
+        """The element writes that set ``param.view(-1)[flat_index] = values`` in the parameter and in every
+        derived buffer built from it. Planning does the index arithmetic; applying (``apply_writes``) only
+        scatters, so the engine's pause is just the scatter. A plan is valid until the next ``refresh``."""
+        writes = [Write(param.view(-1), flat_index, values)]
         for buf, off in self._derived.get(id(param), ()):
             if param.dim() == 1:
-                buf.view(-1)[off + flat_index] = values
+                writes.append(Write(buf.view(-1), off + flat_index, values))
             else:
                 in_dim = param.shape[1]
                 rows, cols = flat_index // in_dim, flat_index % in_dim
-                buf.view(-1)[cols * buf.shape[1] + off + rows] = values
+                writes.append(Write(buf.view(-1), cols * buf.shape[1] + off + rows, values))
+        return writes
 
     # ---- building blocks -------------------------------------------------------------------------
 
@@ -315,12 +336,14 @@ class HFRunner:
         self.caches: list[object | None] = [None] * max_slots
         self.lens = [0] * max_slots
 
+    generation = 0
+
     def refresh(self) -> None:
         pass
 
-    def patch(self, param: torch.Tensor, flat_index: torch.Tensor, values: torch.Tensor) -> None:
+    def plan_patch(self, param: torch.Tensor, flat_index: torch.Tensor, values: torch.Tensor) -> list[Write]:
         """The HF forward reads the parameters directly: patching them is all there is."""
-        param.view(-1)[flat_index] = values
+        return [Write(param.view(-1), flat_index, values)]
 
     def prefill(
         self, first_slot: int, prompts: list[list[int]], starts: list[int] | None = None

@@ -8,7 +8,9 @@ Invariants:
   counted.
 - A group that fails or times out returns its credit and its task is requeued; no call waits forever:
   ``take`` raises after ``request_timeout_s`` without progress.
-- Engines apply a weight update only after verifying its content hash.
+- Engines apply a weight update only after verifying its content hash: the full ``WeightUpdate`` of the
+  object-store path, or, on the delta path (``weights.transport = "delta"``), every version they fetch from
+  the trainer's weight store (``tandem.engine.follow``), through relays when configured.
 """
 
 from __future__ import annotations
@@ -44,12 +46,23 @@ def _set_threads(n: int) -> None:
 class EngineActor:
     """Serves ``generate`` for rollout workers from one built-in engine; applies verified weight updates."""
 
-    def __init__(self, cfg: RunConfig, seed: int = 0) -> None:
+    def __init__(self, cfg: RunConfig, seed: int = 0, weight_urls: list[str] | None = None) -> None:
         _set_threads(cfg.engine.threads)
         from tandem.engine import BuiltinEngine
 
         self.engine = BuiltinEngine.from_path(cfg.model.path, cfg.engine, dtype=cfg.model.dtype, seed=seed)
         self.engine.start()
+        self.weight_sync = None
+        if weight_urls:
+            from tandem.engine.follow import EngineWeightSync
+
+            w = cfg.weights
+            self.weight_sync = EngineWeightSync(self.engine, weight_urls, w.connections, w.codec_threads)
+
+    async def follow(self, version: int) -> dict[str, Any]:
+        """Fetch, verify and apply ``version`` from the weight store while serving (delta path)."""
+        assert self.weight_sync is not None, "this engine was started without weight store URLs"
+        return await asyncio.to_thread(self.weight_sync.sync, version)
 
     async def generate(self, request):
         return await asyncio.wrap_future(self.engine.submit(request))
@@ -62,7 +75,10 @@ class EngineActor:
         return time.monotonic() - t0
 
     async def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats(), **self.engine.health()}
+        out = {**self.engine.stats(), **self.engine.health()}
+        if self.weight_sync is not None:
+            out["weights"] = {**self.weight_sync.stats, "recoveries": self.weight_sync.recoveries}
+        return out
 
     async def shutdown(self) -> None:
         self.engine.stop()
@@ -249,16 +265,77 @@ class RolloutActor:
 
 
 @ray.remote(num_cpus=0)
+class RelayActor:
+    """One region's relay: fetches each blob once from upstream and serves the region's engines."""
+
+    def __init__(self, upstream: list[str], cache_dir: str, bandwidth_mbps: float = 0.0) -> None:
+        from tandem.weights import Relay
+        from tandem.weights.ratelimit import mbps_to_bytes_per_s
+
+        limit = mbps_to_bytes_per_s(bandwidth_mbps) if bandwidth_mbps > 0 else None
+        self.relay = Relay(
+            upstream, cache_dir, host="127.0.0.1", port=0, upstream_bandwidth_bytes_per_s=limit
+        )
+
+    def url(self) -> str:
+        return self.relay.url
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.relay.stats())
+
+
+@ray.remote(num_cpus=0)
 class TrainerActor:
     """Owns the policy's fp32 master weights and optimizer; steps on groups and publishes updates."""
 
-    def __init__(self, cfg: RunConfig, model_path: str, resume_dir: str | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, model_path: str, resume_dir: str | None = None, store: str | None = None
+    ) -> None:
         _set_threads(cfg.train.threads)
         from tandem.train import Trainer
 
-        self.trainer = Trainer(model_path, cfg.train, publish_dtype=cfg.model.dtype)
+        # The delta path publishes bf16 (few elements change per step); the object store the engine dtype.
+        dtype = "bfloat16" if store else cfg.model.dtype
+        self.trainer = Trainer(model_path, cfg.train, publish_dtype=dtype)
         if resume_dir:
             self.trainer.load_checkpoint(resume_dir)
+        self.publisher = self.server = None
+        if store:
+            from tandem.weights import WeightStore, serve_store
+            from tandem.weights.publish import WeightPublisher
+
+            w = cfg.weights
+            st = WeightStore.open(store, create=True, snapshot_every=w.snapshot_every)
+            latest = st.latest()
+            if latest is not None and latest >= self.trainer.version:
+                st.close()
+                raise RuntimeError(
+                    f"weight store {store} already holds version {latest} (this run starts at "
+                    f"{self.trainer.version}); give weights.store an empty location"
+                )
+            self.publisher = WeightPublisher(st, threads=w.codec_threads, keep_versions=w.keep_versions)
+            self.server = serve_store(st, host="127.0.0.1", port=0)
+
+    def weights_url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    def publish_to_store(self) -> dict[str, Any]:
+        """Encode the current version as a delta (or snapshot) into the store; returns the publish report."""
+        assert self.publisher is not None
+        t0 = time.perf_counter()
+        report = self.publisher.publish(self.trainer.version, self.trainer.publish_state())
+        return {
+            "version": report.version, "kind": report.kind, "nbytes": report.nbytes,
+            "raw_bytes": report.raw_bytes, "encode_s": report.encode_s,
+            "publish_s": time.perf_counter() - t0,
+        }  # fmt: skip
+
+    def close_store(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        if self.publisher is not None:
+            self.publisher.store.close()
 
     def version(self) -> int:
         return self.trainer.version

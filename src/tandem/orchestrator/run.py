@@ -26,6 +26,7 @@ from tandem.core.config import RunConfig, dump_config
 from tandem.core.errors import TandemError
 from tandem.orchestrator.actors import BufferActor, EngineActor, RolloutActor, TrainerActor
 from tandem.orchestrator.metrics import MetricsLogger, ProgressLine
+from tandem.orchestrator.weightpath import WeightPath
 
 
 @dataclass
@@ -85,24 +86,35 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
     init_ray(cfg)
     o, b = cfg.orchestrator, cfg.train.groups_per_step
 
-    trainer = TrainerActor.options(num_cpus=cfg.train.threads).remote(cfg, cfg.model.path, resume_dir)
-    engines = [
-        EngineActor.options(num_cpus=cfg.engine.threads, name=f"tandem-engine-{i}").remote(
-            cfg, seed=cfg.train.seed + i
-        )
-        for i in range(cfg.engine.num_engines)
-    ]
+    weights = WeightPath(cfg, run_dir, resume)
+    trainer = TrainerActor.options(num_cpus=cfg.train.threads).remote(
+        cfg, cfg.model.path, resume_dir, weights.trainer_store()
+    )
+    engines: list = []
+    workers: list = []
     buffer = BufferActor.remote(o.buffer_max_groups)
-    workers = [
-        RolloutActor.remote(cfg, engines, buffer, i, cfg.rollout.num_workers)
-        for i in range(cfg.rollout.num_workers)
-    ]
-    # Wait until every actor has finished starting, so the clock below measures steady-state work.
-    ray.get([e.stats.remote() for e in engines] + [w.get_errors.remote() for w in workers])
-    version = ray.get(trainer.version.remote())
-    if version > 0:  # resumed: engines start from the checkpoint's weights
-        update = trainer.publish.remote()
-        ray.get([e.update_weights.remote(update) for e in engines])
+    try:
+        urls = weights.engine_urls(trainer, cfg.engine.num_engines, run_dir)
+        engines = [
+            EngineActor.options(num_cpus=cfg.engine.threads, name=f"tandem-engine-{i}").remote(
+                cfg, seed=cfg.train.seed + i, weight_urls=urls[i]
+            )
+            for i in range(cfg.engine.num_engines)
+        ]
+        workers = [
+            RolloutActor.remote(cfg, engines, buffer, i, cfg.rollout.num_workers)
+            for i in range(cfg.rollout.num_workers)
+        ]
+        # Wait until every actor has finished starting, so the clock below measures steady-state work.
+        ray.get([e.stats.remote() for e in engines] + [w.get_errors.remote() for w in workers])
+        version = ray.get(trainer.version.remote())
+        # Engines serve the starting version exactly as published (resumed runs: the checkpoint's weights).
+        if weights.delta or version > 0:
+            weights.start(trainer, engines, version)
+    except Exception as e:
+        _teardown([*workers, *engines, trainer, buffer, *weights.actors()])
+        cause = getattr(e, "cause", None) or e
+        raise TandemError(f"the run could not start: {type(cause).__name__}: {cause}") from e
 
     logger = MetricsLogger(run_dir, append=resume)
     progress = ProgressLine(o.steps, quiet=quiet)
@@ -134,8 +146,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
                 buffer.grant.remote(b)
             t_train = time.monotonic()
             metrics = ray.get(trainer.step.remote(groups))
-            update = trainer.publish.remote()
-            pauses = ray.get([e.update_weights.remote(update) for e in engines])
+            sync_metrics = weights.after_step(trainer, engines, step + 1, wait=o.mode == "sync")
             train_s = time.monotonic() - t_train
             version = step = step + 1
             if o.mode == "sync":
@@ -150,12 +161,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
             row = _step_row(
                 step, version, groups, metrics, info, samples, samples_total, elapsed, trainer_busy_s
             )
-            row.update(
-                engine_busy=engine_busy,
-                wait_s=wait_s,
-                weight_sync_s=train_s - metrics.get("step_time_s", 0.0),
-                engine_pause_s=max(pauses),
-            )
+            row.update(engine_busy=engine_busy, wait_s=wait_s, **sync_metrics)
             logger.log(row)
             history.append(row)
             progress.update(row)
@@ -166,7 +172,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
         if errors:
             (run_dir / "rollout_errors.log").write_text("\n".join(errors))
         logger.close()
-        _teardown([*workers, *engines, trainer, buffer])
+        _teardown([*workers, *engines, trainer, buffer, *weights.actors()])
         cause = getattr(e, "cause", None) or e
         raise TandemError(
             f"training stopped at step {step}: {type(cause).__name__}: {cause}"
@@ -174,6 +180,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
         ) from e
     wall = time.monotonic() - start
     engine_busy = (_engine_busy(engines) - engine_busy0) / max(wall * len(engines), 1e-9)
+    weights.finish(trainer)
     ray.get([w.stop.remote() for w in workers])
     ray.get(buffer.close.remote())
     errors = _collect_errors(workers)
@@ -200,7 +207,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
         eval_after=eval_after,
         history=history,
     )
-    _teardown([*workers, *engines, trainer, buffer])
+    _teardown([*workers, *engines, trainer, buffer, *weights.actors()])
     from tandem.orchestrator.report import write_report
 
     write_report(run_dir, result, cfg)

@@ -1,0 +1,217 @@
+"""`tandem bench sync`: publish -> relays -> engines, delta path against shipping full checkpoints.
+
+Setup (all local processes, Ray actors): a store served over HTTP on 127.0.0.1 (the trainer side), ``relays``
+relays whose upstream links are throttled to ``bandwidth_mbps`` each (the inter-region links), and
+``engines`` built-in engines (each its own process, serving the model) spread round-robin over the relays.
+The versions are real: the model driven by the real ``Trainer`` (``tandem.bench.codec.tandem_train_versions``,
+learning rate ``lr``), published as bf16 like ``tandem train`` does.
+
+Measured, in order:
+1. Every engine loads version 0 (a full snapshot) through its relay.
+2. ``delta_s``: ``deltas`` times, a new version is published as a delta; the time from the start of publish
+   to every engine serving it (fetch through the relay, decode, verify, patch). The mean is reported;
+   ``pause_ms`` is the largest engine pause of a patch.
+3. ``full_s``: the same newest version published as a full snapshot to a second store (no delta available,
+   nothing cached at the relays); the time from publish to every engine serving it through a full reload;
+   ``full_reload_ms`` is the largest engine pause of that reload.
+4. ``bound_s`` = compressed bytes of one delta / link bandwidth (relays fetch in parallel, one link each).
+5. ``tokens_per_s_during_sync_ratio``: engine 0 decodes a steady load throughout; its tokens/s while delta
+   syncs are in flight divided by its tokens/s in a quiet window of the same length before them.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+
+from tandem.core.config import EngineConfig
+
+
+@ray.remote(num_cpus=0)
+class _BenchEngine:
+    """An engine process: a built-in engine that follows a weight store, plus a steady decode load."""
+
+    def __init__(self, model_path: str) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        from tandem.engine import BuiltinEngine
+
+        self.engine = BuiltinEngine.from_path(model_path, EngineConfig(max_batch=8, max_seq_len=256))
+        self.engine.start()
+        self.sync_obj: Any = None
+        self._load = False
+
+    def follow(self, urls: list[str]) -> None:
+        from tandem.engine.follow import EngineWeightSync
+
+        self.sync_obj = EngineWeightSync(self.engine, urls, connections=4)
+
+    def sync(self, version: int) -> dict[str, Any]:
+        out = self.sync_obj.sync(version)
+        out["done_at"] = time.time()
+        return out
+
+    def start_load(self) -> None:
+        import threading
+
+        from tandem.core.generation import GenerationRequest, SamplingParams
+
+        self._load = True
+        params = SamplingParams(max_new_tokens=64, temperature=1.0)
+
+        def loop() -> None:
+            while self._load:
+                reqs = [GenerationRequest([1 + i, 2, 3, 4], params) for i in range(4)]
+                self.engine.generate(reqs)
+
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+
+    def tokens(self) -> tuple[float, int]:
+        return time.monotonic(), int(self.engine.stats()["tokens_generated"])
+
+    def stop_load(self) -> None:
+        self._load = False
+        self._thread.join(timeout=30)
+
+    def shutdown(self) -> None:
+        self.engine.stop()
+
+
+@ray.remote(num_cpus=0)
+class _BenchRelay:
+    def __init__(self, upstream: list[str], cache_dir: str, bandwidth_mbps: float) -> None:
+        from tandem.weights import Relay
+        from tandem.weights.ratelimit import mbps_to_bytes_per_s
+
+        limit = mbps_to_bytes_per_s(bandwidth_mbps) if bandwidth_mbps > 0 else None
+        self.relay = Relay(upstream, cache_dir, upstream_bandwidth_bytes_per_s=limit)
+
+    def url(self) -> str:
+        return self.relay.url
+
+
+def _versions(model_path: str, deltas: int, lr: float, warmup: int) -> list[dict[str, np.ndarray]]:
+    from tandem.bench.codec import tandem_train_versions
+
+    return tandem_train_versions(model_path, steps=deltas, warmup=warmup, lr=lr, threads=1)
+
+
+def run_sync_bench(
+    model_path: str,
+    relays: int = 2,
+    engines: int = 4,
+    bandwidth_mbps: float = 100.0,
+    deltas: int = 3,
+    lr: float = 2e-5,
+    warmup: int = 3,
+) -> dict[str, Any]:
+    """Run the benchmark of the module docstring; returns its JSON object."""
+    from tandem.weights import WeightStore, serve_store
+    from tandem.weights.publish import WeightPublisher
+
+    if relays < 1 or engines < 1 or deltas < 1 or bandwidth_mbps <= 0:
+        raise ValueError("relays, engines and deltas must be >= 1 and bandwidth_mbps > 0")
+    versions = _versions(model_path, deltas, lr, warmup)
+    root = Path(tempfile.mkdtemp(prefix="tandem-bench-sync-"))
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    store = WeightStore.open(root / "store", create=True, snapshot_every=10_000)
+    full_store = WeightStore.open(root / "full_store", create=True, snapshot_every=1)
+    servers = [serve_store(store), serve_store(full_store)]
+    publisher = WeightPublisher(store, keep_versions=deltas + 2)
+    actors: list[Any] = []
+    try:
+        relay_sets = []
+        for server in servers:
+            rs = [
+                _BenchRelay.remote([server.url], str(root / f"cache-{len(relay_sets)}-{i}"), bandwidth_mbps)
+                for i in range(relays)
+            ]
+            actors += rs
+            relay_sets.append(ray.get([r.url.remote() for r in rs]))
+        eng = [_BenchEngine.remote(model_path) for _ in range(engines)]
+        actors += eng
+        ray.get([e.follow.remote([relay_sets[0][i % relays]]) for i, e in enumerate(eng)])
+        publisher.publish(0, versions[0])
+        ray.get([e.sync.remote(0) for e in eng])
+
+        ray.get(eng[0].start_load.remote())
+        time.sleep(1.0)  # the load reaches a steady state
+        quiet0 = ray.get(eng[0].tokens.remote())
+        delta_times, pauses, delta_bytes, busy = [], [], [], 0.0
+        tokens_during = 0
+        for v in range(1, deltas + 1):
+            t0 = time.time()
+            tok0 = ray.get(eng[0].tokens.remote())
+            report = publisher.publish(v, versions[v])
+            results = ray.get([e.sync.remote(v) for e in eng])
+            tok1 = ray.get(eng[0].tokens.remote())
+            delta_times.append(max(r["done_at"] for r in results) - t0)
+            pauses.append(max(r["pause_s"] for r in results))
+            delta_bytes.append(report.nbytes)
+            busy += tok1[0] - tok0[0]
+            tokens_during += tok1[1] - tok0[1]
+        # A quiet window of the same total length right after, for the baseline rate.
+        q0 = ray.get(eng[0].tokens.remote())
+        time.sleep(max(busy, 1.0))
+        q1 = ray.get(eng[0].tokens.remote())
+        ray.get(eng[0].stop_load.remote())
+        del quiet0
+        quiet_rate = (q1[1] - q0[1]) / max(q1[0] - q0[0], 1e-9)
+        during_rate = tokens_during / max(busy, 1e-9)
+
+        # Full checkpoints: the newest version as a snapshot in a store with nothing else, fresh followers.
+        ray.get([e.follow.remote([relay_sets[1][i % relays]]) for i, e in enumerate(eng)])
+        t0 = time.time()
+        full_report = WeightPublisher(full_store).publish(0, versions[-1])
+        results = ray.get([e.sync.remote(0) for e in eng])
+        full_s = max(r["done_at"] for r in results) - t0
+        full_reload = max(r["pause_s"] for r in results)
+        assert all(r["full"] for r in results)
+
+        bandwidth_bytes = bandwidth_mbps * 1e6 / 8
+        mean_delta_bytes = float(np.mean(delta_bytes))
+        delta_s = float(np.mean(delta_times))
+        bound_s = mean_delta_bytes / bandwidth_bytes
+        out = {
+            "bandwidth_mbps": bandwidth_mbps,
+            "relays": relays,
+            "engines": engines,
+            "lr": lr,
+            "delta_bytes": int(mean_delta_bytes),
+            "full_bytes": int(full_report.nbytes),
+            "raw_bytes": int(full_report.raw_bytes),
+            "delta_s": round(delta_s, 4),
+            "full_s": round(full_s, 4),
+            "speedup": round(full_s / max(delta_s, 1e-9), 3),
+            "bound_s": round(bound_s, 4),
+            "pause_ms": round(max(pauses) * 1e3, 3),
+            "full_reload_ms": round(full_reload * 1e3, 3),
+            "tokens_per_s_quiet": round(quiet_rate, 1),
+            "tokens_per_s_during_sync": round(during_rate, 1),
+            "tokens_per_s_during_sync_ratio": round(during_rate / max(quiet_rate, 1e-9), 3),
+        }
+        out["targets"] = {
+            "speedup>=20": out["speedup"] >= 20,
+            "delta_s<=1.25*bound_s+1": delta_s <= 1.25 * bound_s + 1,
+            "pause_ms<=0.05*full_reload_ms": out["pause_ms"] <= 0.05 * out["full_reload_ms"],
+            "tokens_per_s_during_sync_ratio>=0.9": out["tokens_per_s_during_sync_ratio"] >= 0.9,
+        }
+        return out
+    finally:
+        for a in actors:
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001, S110
+                pass
+        for s in servers:
+            s.close()
+        store.close()
+        full_store.close()

@@ -1,0 +1,205 @@
+"""`tandem weights diff | apply | inspect`: lossless weight deltas between safetensors files or model dirs.
+
+Invariants: ``apply`` writes its output only after the decoded tensors hash to the delta's target hash, then
+reads the written weights back and checks the hash again, so a successful exit means OUT is bit-exact.
+Bad input (missing path, not safetensors, different tensor sets, dtypes or shapes, wrong base, corrupt delta)
+prints one ``error:`` line naming the value and exits with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+
+from tandem.weights.delta import (
+    MAGIC,
+    Delta,
+    decode_delta,
+    delta_stats,
+    dumps_delta,
+    encode_delta,
+    load_delta,
+    save_delta,
+)
+from tandem.weights.seam import tensors_hash
+from tandem.weights.stfile import WeightSet, load_weights, save_weights
+
+weights_app = typer.Typer(
+    help="Lossless weight deltas: diff two versions, apply a delta, inspect a delta or a model.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+ThreadsOpt = Annotated[int, typer.Option(help="Threads for encoding/decoding.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _load(path: Path, what: str) -> WeightSet:
+    try:
+        return load_weights(path)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        _fail(f"{what}: {e}")
+    raise AssertionError  # unreachable: _fail exits
+
+
+def _check_threads(threads: int) -> None:
+    if threads < 1:
+        _fail(f"--threads must be >= 1, got {threads}")
+
+
+def _emit(out: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(out))
+    else:
+        for k, v in out.items():
+            typer.echo(f"{k}: {v}")
+
+
+def _summary(delta: Delta, nbytes_full: int) -> dict[str, Any]:
+    stats = delta_stats(delta)
+    params = sum(s.numel for s in stats)
+    changed = sum(s.changed for s in stats)
+    size = len(dumps_delta(delta))
+    return {
+        "tensors": len(stats),
+        "params": params,
+        "changed": changed,
+        "density": round(changed / params, 6) if params else 0.0,
+        "delta_bytes": size,
+        "bits_per_param": round(8 * size / params, 5) if params else 0.0,
+        "ratio_vs_full": round(nbytes_full / size, 2) if size else 0.0,
+    }
+
+
+@weights_app.command()
+def diff(
+    old: Annotated[Path, typer.Argument(help="Base version: a .safetensors file or a model directory.")],
+    new: Annotated[Path, typer.Argument(help="New version, same tensors (dtypes and shapes) as OLD.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Delta file to write.")],
+    threads: ThreadsOpt = 2,
+    json_: JsonOpt = False,
+) -> None:
+    """Encode the lossless delta that turns OLD into NEW."""
+    _check_threads(threads)
+    a, b = _load(old, "OLD"), _load(new, "NEW")
+    t0 = time.perf_counter()
+    try:
+        delta = encode_delta(a.tensors, b.tensors, threads=threads)
+    except ValueError as e:
+        _fail(f"cannot diff {str(old)!r} and {str(new)!r}: {e}")
+    seconds = time.perf_counter() - t0
+    try:
+        save_delta(output, delta)
+    except OSError as e:
+        _fail(f"cannot write {str(output)!r}: {e}")
+    full = sum(int(t.nbytes) for t in b.tensors.values())
+    _emit({"delta": str(output), **_summary(delta, full), "encode_s": round(seconds, 3)}, json_)
+
+
+@weights_app.command()
+def apply(
+    old: Annotated[Path, typer.Argument(help="The base version the delta was made from.")],
+    delta_path: Annotated[Path, typer.Argument(metavar="DELTA", help="Delta from `tandem weights diff`.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write the new version.")],
+    threads: ThreadsOpt = 2,
+    json_: JsonOpt = False,
+) -> None:
+    """Apply DELTA to OLD and write the new version (bit-exact, verified against the delta's target hash)."""
+    _check_threads(threads)
+    if output.exists() and old.exists() and output.resolve() == old.resolve():
+        _fail("-o must differ from OLD (OLD is read while the output is written)")
+    base = _load(old, "OLD")
+    try:
+        delta = load_delta(delta_path)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        _fail(f"DELTA: {e}")
+    t0 = time.perf_counter()
+    try:
+        tensors = decode_delta(base.tensors, delta, threads=threads, verify=True)
+    except ValueError as e:
+        _fail(f"cannot apply {str(delta_path)!r} to {str(old)!r}: {e}")
+    seconds = time.perf_counter() - t0
+    try:
+        save_weights(output, base, tensors)
+    except (OSError, ValueError) as e:
+        _fail(f"cannot write {str(output)!r}: {e}")
+    if tensors_hash(_load(output, "written output").tensors) != delta.target_hash:
+        _fail(f"{str(output)!r} does not read back to the target hash; the disk may be failing")
+    out = {"output": str(output), "target_hash": delta.target_hash, "verified": True}
+    _emit({**out, "decode_s": round(seconds, 3)}, json_)
+
+
+def _is_delta(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(MAGIC)) == MAGIC
+
+
+@weights_app.command()
+def inspect(
+    path: Annotated[Path, typer.Argument(help="A delta file, a .safetensors file or a model directory.")],
+    json_: JsonOpt = False,
+) -> None:
+    """For a delta: density, bits/param and a per-tensor table; for weights: tensors, dtypes and params."""
+    if not path.exists():
+        _fail(f"{str(path)!r} does not exist; pass a delta file, a .safetensors file or a model directory")
+    if path.is_file() and _is_delta(path):
+        _inspect_delta(path, json_)
+    else:
+        _inspect_weights(_load(path, "PATH"), json_)
+
+
+def _inspect_delta(path: Path, as_json: bool) -> None:
+    try:
+        delta = load_delta(path)
+        stats = delta_stats(delta)
+    except ValueError as e:
+        _fail(str(e))
+    full = sum(s.numel * np.dtype(_itemsize_dtype(s.dtype)).itemsize for s in stats)
+    head = {"kind": "delta", "base_hash": delta.base_hash, "target_hash": delta.target_hash,
+            **_summary(delta, full)}  # fmt: skip
+    rows = [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "mode": s.mode, "changed": s.changed,
+             "density": round(s.density, 6), "bytes": s.nbytes, "bits_per_param": round(s.bits_per_param, 4)}
+            for s in stats]  # fmt: skip
+    if as_json:
+        typer.echo(json.dumps({**head, "per_tensor": rows}))
+        return
+    _emit(head, False)
+    typer.echo(f"{'tensor':<48} {'dtype':<9} {'mode':<8} {'density':>9} {'bits/param':>10} {'bytes':>10}")
+    for r in rows:
+        typer.echo(
+            f"{r['name']:<48} {r['dtype']:<9} {r['mode']:<8} {r['density']:>9.5f} "
+            f"{r['bits_per_param']:>10.4f} {r['bytes']:>10}"
+        )
+
+
+def _itemsize_dtype(tag: str) -> str:
+    return "uint16" if tag == "bfloat16" else tag
+
+
+def _inspect_weights(ws: WeightSet, as_json: bool) -> None:
+    rows = [{"name": n, "dtype": ws.tags[n], "shape": list(t.shape), "params": int(t.size)}
+            for n, t in sorted(ws.tensors.items())]  # fmt: skip
+    by_dtype: dict[str, int] = {}
+    for r in rows:
+        by_dtype[r["dtype"]] = by_dtype.get(r["dtype"], 0) + r["params"]
+    head = {"kind": "weights", "files": sorted(ws.files), "tensors": len(rows),
+            "params": sum(r["params"] for r in rows), "params_by_dtype": by_dtype,
+            "bytes": sum(int(t.nbytes) for t in ws.tensors.values()),
+            "hash": tensors_hash(ws.tensors)}  # fmt: skip
+    if as_json:
+        typer.echo(json.dumps({**head, "per_tensor": rows}))
+        return
+    _emit(head, False)
+    typer.echo(f"{'tensor':<48} {'dtype':<6} {'params':>12}  shape")
+    for r in rows:
+        typer.echo(f"{r['name']:<48} {r['dtype']:<6} {r['params']:>12}  {r['shape']}")

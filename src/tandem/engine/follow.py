@@ -1,0 +1,87 @@
+"""Keep a built-in engine on the newest verified version of a weight store (the delta path).
+
+Invariants:
+- Downloading and decoding happen in the caller's thread while the engine keeps serving; the engine pauses
+  only inside ``patch_weights`` (changed elements) or, after a snapshot recovery or at the first sync,
+  ``update_weights`` (a full reload).
+- The engine is only ever given weights the follower verified against the store's recorded hash
+  (``tandem.weights.follow``); if verification and the snapshot recovery both fail, the engine keeps its
+  current version and the error propagates.
+- Published tensors omit tied duplicates (``lm_head`` tied to the embeddings): patching the published name
+  patches the shared storage and every derived buffer built from it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from tandem.engine.builtin import BuiltinEngine
+from tandem.weights.client import WeightClient
+from tandem.weights.follow import WeightFollower
+
+
+class EngineWeightSync:
+    """Follows a weight store (through servers or relays at ``urls``) for one engine."""
+
+    def __init__(
+        self, engine: BuiltinEngine, urls: str | Sequence[str], connections: int = 4, threads: int = 1
+    ) -> None:
+        self.engine = engine
+        self.follower = WeightFollower(WeightClient(urls, parallel=connections), threads=threads)
+        self._lock = threading.Lock()  # one sync at a time; a later call catches up to its own target
+        self.stats: dict[str, float] = {
+            "syncs": 0, "full_reloads": 0, "pause_s_total": 0.0, "pause_s_last": 0.0,
+            "full_reload_s_last": 0.0, "fetch_s_total": 0.0, "decode_s_total": 0.0,
+            "downloaded_bytes": 0, "patched_elements": 0,
+        }  # fmt: skip
+
+    @property
+    def recoveries(self) -> int:
+        return int(self.follower.stats["recoveries"])
+
+    def sync(self, target: int | None = None) -> dict[str, Any]:
+        """Bring the engine to ``target`` (latest if None); returns what this sync did."""
+        with self._lock:
+            if target is not None and self.engine.version >= target and self.follower.version is not None:
+                return {"version": self.engine.version, "pause_s": 0.0, "skipped": True}
+            t0 = time.perf_counter()
+            adv = self.follower.advance(target)
+            shadow = self.follower.shadow
+            assert shadow is not None and self.follower.version == adv.version
+            if adv.full:
+                pause = self.engine.update_weights(adv.version, shadow)
+                self.stats["full_reloads"] += 1
+                self.stats["full_reload_s_last"] = pause
+                patched = sum(int(t.size) for t in shadow.values())
+            else:
+                patches = {}
+                for name, idx in adv.changes.items():
+                    flat = shadow[name].reshape(-1)
+                    index = np.arange(flat.size, dtype=np.int64) if idx is None else idx
+                    patches[name] = (index, flat[index])
+                pause = self.engine.patch_weights(adv.version, patches)
+                patched = sum(len(ix) for ix, _ in patches.values())
+            s = self.stats
+            s["syncs"] += 1
+            s["pause_s_total"] += pause
+            s["pause_s_last"] = pause
+            s["fetch_s_total"] += adv.fetch_s
+            s["decode_s_total"] += adv.decode_s
+            s["downloaded_bytes"] += adv.downloaded_bytes
+            s["patched_elements"] += patched
+            return {
+                "version": adv.version,
+                "full": adv.full,
+                "recovered": adv.recovered,
+                "pause_s": pause,
+                "fetch_s": adv.fetch_s,
+                "decode_s": adv.decode_s,
+                "downloaded_bytes": adv.downloaded_bytes,
+                "patched_elements": patched,
+                "total_s": time.perf_counter() - t0,
+            }

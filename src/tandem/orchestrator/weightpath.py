@@ -1,0 +1,125 @@
+"""How each new version travels from the trainer actor to the engine actors during a run.
+
+Two transports (``weights.transport``):
+- ``"delta"`` (default): the trainer actor owns a ``WeightStore`` (``<run_dir>/weights`` unless
+  ``weights.store`` says otherwise) and serves it over HTTP on 127.0.0.1; after each step it publishes the
+  new version as a lossless bf16 delta (full snapshot every ``snapshot_every``), and every engine fetches,
+  verifies and patches it in place (``EngineActor.follow``), through ``weights.relays`` relay actors when
+  configured (each engine lists its relay first and the store server second, so a dead relay is survived).
+- ``"object_store"``: the full tensors as one ``WeightUpdate`` through Ray's object store, verified by hash.
+
+Invariants:
+- Before the first rollout, every engine serves the run's starting version as published (on the delta
+  path that is the bf16 rounding of the starting weights, exactly what later deltas build on).
+- ``after_step(version, wait=True)`` returns only when every engine serves ``version`` (sync mode).
+  With ``wait=False`` (async mode) the engines' fetch runs while the trainer trains the next step; the
+  previous version's fetch is awaited before a new one is issued, so engines lag the trainer by at most one
+  version beyond what the staleness bound already accounts for (every token records its version).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from tandem.core.config import RunConfig
+from tandem.orchestrator.actors import RelayActor
+
+
+class WeightPath:
+    """The weight transport of one run (see module docstring)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, resume: bool) -> None:
+        self.cfg = cfg
+        self.delta = cfg.weights.transport == "delta"
+        self.store: str | None = None
+        if self.delta:
+            self.store = cfg.weights.store or str(run_dir / "weights")
+            if not cfg.weights.store and Path(self.store).exists():
+                # The run's own store restarts with the run (a resume republishes its version as a snapshot).
+                shutil.rmtree(self.store)
+        self.relays: list[Any] = []
+        self._pending: list[Any] = []
+        self.last: dict[str, float] = {}
+        self.totals = {"delta_bytes": 0, "raw_bytes": 0, "publishes": 0}
+
+    def trainer_store(self) -> str | None:
+        return self.store
+
+    def engine_urls(self, trainer, n_engines: int, run_dir: Path) -> list[list[str] | None]:
+        """Per engine, the URLs it fetches weights from (None on the object-store path)."""
+        if not self.delta:
+            return [None] * n_engines
+        upstream = ray.get(trainer.weights_url.remote())
+        w = self.cfg.weights
+        self.relays = [
+            RelayActor.remote([upstream], str(run_dir / "relay_cache" / f"relay{i}"), w.bandwidth_mbps)
+            for i in range(w.relays)
+        ]
+        relay_urls = ray.get([r.url.remote() for r in self.relays])
+        return [
+            ([relay_urls[i % len(relay_urls)]] if relay_urls else []) + [upstream] for i in range(n_engines)
+        ]
+
+    def start(self, trainer, engines, version: int) -> None:
+        """Make every engine serve ``version`` as published before anything is generated."""
+        if self.delta:
+            self._publish(trainer)
+            ray.get([e.follow.remote(version) for e in engines])
+        else:
+            update = trainer.publish.remote()
+            ray.get([e.update_weights.remote(update) for e in engines])
+
+    def after_step(self, trainer, engines, version: int, wait: bool) -> dict[str, float]:
+        """Publish ``version`` and move the engines to it; returns timing and size metrics."""
+        t0 = time.monotonic()
+        if not self.delta:
+            update = trainer.publish.remote()
+            pauses = ray.get([e.update_weights.remote(update) for e in engines])
+            return {"weight_sync_s": time.monotonic() - t0, "engine_pause_s": max(pauses)}
+        out = self._collect()
+        report = self._publish(trainer)
+        self._pending = [e.follow.remote(version) for e in engines]
+        if wait:
+            out = self._collect()
+        out.update(
+            weight_sync_s=time.monotonic() - t0,
+            weight_publish_s=report["publish_s"],
+            weight_delta_bytes=float(report["nbytes"]),
+            weight_ratio=report["raw_bytes"] / max(report["nbytes"], 1),
+        )
+        return out
+
+    def _publish(self, trainer) -> dict[str, Any]:
+        report = ray.get(trainer.publish_to_store.remote())
+        self.totals["publishes"] += 1
+        self.totals["delta_bytes"] += report["nbytes"]
+        self.totals["raw_bytes"] += report["raw_bytes"]
+        return report
+
+    def _collect(self) -> dict[str, float]:
+        """Wait for the engines' last fetch; metrics of the slowest engine (empty if nothing was pending)."""
+        if not self._pending:
+            return {}
+        results = ray.get(self._pending)
+        self._pending = []
+        return {
+            "engine_pause_s": max(r["pause_s"] for r in results),
+            "engine_fetch_s": max(r.get("fetch_s", 0.0) + r.get("decode_s", 0.0) for r in results),
+            "weight_recoveries": float(sum(bool(r.get("recovered")) for r in results)),
+        }
+
+    def finish(self, trainer) -> None:
+        """Wait for in-flight fetches and close the store (releases its single-writer lock)."""
+        if self.delta:
+            try:
+                self._collect()
+            finally:
+                ray.get(trainer.close_store.remote())
+
+    def actors(self) -> list[Any]:
+        return list(self.relays)

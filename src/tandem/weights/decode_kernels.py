@@ -1,0 +1,217 @@
+"""Per-chunk numba kernels of the delta codec, decoder side (the stream layout is in ``kernels``).
+
+Invariants: decoders never read or write out of bounds, whatever the input: stream reads are clamped to
+the zero-padded rows, positions are checked against the chunk, and they return ``-1`` when a stream is
+inconsistent (position past the chunk, bit stream overrun, final rANS state or word count not the ones the
+encoder left). Only ``patch_chunk``, ``scatter`` and ``decode_dense_chunk`` write tensor memory, and only
+after the streams decoded (sparse) or into a fresh output (dense).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from tandem.weights.entropy import (
+    BASE,
+    DIRECT,
+    GOLOMB_FAST_Q,
+    NEXTRA,
+    NJIT,
+    PROB_BITS,
+    RANS_L,
+    SLOT_MASK,
+    golomb_decode,
+    low_bits,
+    peek,
+    rans_dec,
+)
+from tandem.weights.kernels import GAP_TABLE, LANES, from_key, to_key, unzigzag
+
+
+@njit(**NJIT)
+def patched(pu: int, zz: int, sign: int, mask: int) -> int:
+    """The new bit pattern of an element whose old pattern is ``pu`` and whose change is ``zz``."""
+    return from_key((to_key(pu, sign, mask) + unzigzag(zz)) & mask, sign, mask)
+
+
+@njit(**NJIT)
+def decode_sparse_chunk(
+    size: int,
+    n: int,
+    gap_mode: int,
+    glut: np.ndarray,
+    gfreq: np.ndarray,
+    gcum: np.ndarray,
+    dlut: np.ndarray,
+    dfreq: np.ndarray,
+    dcum: np.ndarray,
+    m: int,
+    b: int,
+    u: int,
+    rwords: np.ndarray,
+    rlens: np.ndarray,
+    bwords: np.ndarray,
+    nbits: int,
+    idx_out: np.ndarray,
+    z_out: np.ndarray,
+) -> int:
+    """Decode the ``n`` changes of a chunk of ``size`` elements into positions ``idx_out`` and changes
+    ``z_out`` (both of length ``n``); 0 on success, -1 if the streams are inconsistent. ``rwords`` rows are
+    the gap and diff streams (``rlens`` words each, rows padded by at least one zero word), ``bwords``
+    carries two words of padding. Touches no tensor memory (see ``patch_chunk``)."""
+    cols, nw = rwords.shape[1], bwords.shape[0]
+    table = gap_mode == GAP_TABLE
+    if cols <= max(rlens[0], rlens[1]) or rlens[1] < 2 or (table and rlens[0] < 2) or nw < 2:
+        return -1
+    xg = np.uint64(rwords[0, 0]) | (np.uint64(rwords[0, 1]) << np.uint64(16))
+    xd = np.uint64(rwords[1, 0]) | (np.uint64(rwords[1, 1]) << np.uint64(16))
+    rg, rd, pos, last = 2, 2, 0, -1
+    for k in range(n):
+        if table:
+            s = np.int64(glut[xg & SLOT_MASK])
+            xg, low = rans_dec(xg, gfreq[s], gcum[s], rwords[0, min(rg, cols - 1)])
+            rg += low
+            j = min(pos >> 6, nw - 2)
+            gap = BASE[s] + low_bits(peek(bwords[j], bwords[j + 1], pos & 63), NEXTRA[s])
+            pos += NEXTRA[s]
+        else:
+            q_long = 0
+            while True:
+                j = min(pos >> 6, nw - 2)
+                gap, used = golomb_decode(peek(bwords[j], bwords[j + 1], pos & 63), m, b, u)
+                if gap >= 0:
+                    pos += used
+                    gap += q_long * m
+                    break
+                q_long += GOLOMB_FAST_Q
+                pos += GOLOMB_FAST_Q
+                if pos > nbits:
+                    return -1
+        last = last + 1 + gap
+        if last >= size or pos > nbits:
+            return -1
+        idx_out[k] = last
+        s = np.int64(dlut[xd & SLOT_MASK])
+        xd, low = rans_dec(xd, dfreq[s], dcum[s], rwords[1, min(rd, cols - 1)])
+        rd += low
+        j = min(pos >> 6, nw - 2)
+        z_out[k] = BASE[s] + low_bits(peek(bwords[j], bwords[j + 1], pos & 63), NEXTRA[s])
+        pos += NEXTRA[s]
+    ok_g = not table or (xg == np.uint64(RANS_L) and rg == rlens[0])
+    return 0 if ok_g and xd == np.uint64(RANS_L) and rd == rlens[1] and pos == nbits else -1
+
+
+@njit(**NJIT)
+def patch_chunk(p: np.ndarray, out: np.ndarray, idx: np.ndarray, z: np.ndarray, sign: int, mask: int) -> None:
+    """``out[idx] = new(p[idx], z)``. A tight loop of independent iterations, so the CPU overlaps the cache
+    misses of scattered positions (``out`` may be ``p``; positions were validated by the decoder)."""
+    for k in range(idx.shape[0]):
+        i = idx[k]
+        out[i] = patched(np.int64(p[i]), z[k], sign, mask)
+
+
+@njit(**NJIT)
+def new_values(p: np.ndarray, idx: np.ndarray, z: np.ndarray, sign: int, mask: int, out: np.ndarray) -> None:
+    """``out[k] = new(p[idx[k]], z[k])``: new bit patterns of the changed elements (``p`` is only read)."""
+    for k in range(idx.shape[0]):
+        out[k] = patched(np.int64(p[idx[k]]), z[k], sign, mask)
+
+
+@njit(**NJIT)
+def scatter(flat: np.ndarray, idx: np.ndarray, values: np.ndarray) -> None:
+    for k in range(idx.shape[0]):
+        flat[idx[k]] = values[k]
+
+
+@njit(**NJIT)
+def decode_dense_chunk(
+    p: np.ndarray,
+    out: np.ndarray,
+    dlut: np.ndarray,
+    dfc: np.ndarray,
+    rwords: np.ndarray,
+    rlens: np.ndarray,
+    bwords: np.ndarray,
+    nbits: int,
+    sign: int,
+    mask: int,
+    dkey: np.ndarray,
+) -> int:
+    """Rewrite ``out`` from ``p`` and the dense streams; 0 on success, -1 if the streams are inconsistent.
+    ``dkey`` is ``DKEY`` (passed in: numba reads argument arrays faster than global constant arrays).
+    Three passes: rANS symbols, a vectorisable patch of every element by its symbol's small change, then
+    the few elements whose change carries raw bits."""
+    n = p.shape[0]
+    syms = np.empty(n, np.uint8)
+    if dense_symbols_from_streams(dlut, dfc, rwords, rlens, syms) != 0:
+        return -1
+    top, low = (15 if mask == 0xFFFF else 31), mask >> 1
+    for i in range(n):  # patched() written out branch-free, with the key delta looked up per symbol
+        u = np.int64(p[i])
+        k = (u ^ sign ^ (((u >> top) & 1) * low)) + dkey[syms[i]]
+        k &= mask
+        out[i] = k ^ sign ^ ((1 - ((k >> top) & 1)) * low)
+    pos, nw = 0, bwords.shape[0]
+    for i in range(n):
+        s = syms[i]
+        if s >= DIRECT:
+            j = min(pos >> 6, nw - 2)
+            zz = BASE[s] + low_bits(peek(bwords[j], bwords[j + 1], pos & 63), NEXTRA[s])
+            pos += NEXTRA[s]
+            out[i] = patched(np.int64(p[i]), zz, sign, mask)
+    return 0 if pos == nbits else -1
+
+
+@njit(**NJIT)
+def dense_symbols_from_streams(
+    dlut: np.ndarray, dfc: np.ndarray, rwords: np.ndarray, rlens: np.ndarray, syms: np.ndarray
+) -> int:
+    """Decode one symbol per element, element ``i`` from row ``i % 4`` of ``rwords`` (``dfc`` packs
+    freq | cum << 16); 0 if every stream ends exactly where the encoder left it, else -1. Written out by
+    hand for speed: unsigned indices (no negative-index fix-ups), one table load per symbol, branch-free
+    renormalisation, reads clamped to the padded rows."""
+    n, cols = syms.shape[0], rwords.shape[1]
+    if cols < 3 or cols <= rlens.max():
+        return -1
+    w0, w1, w2, w3 = rwords[0], rwords[1], rwords[2], rwords[3]
+    msk, sh, wb, lo = SLOT_MASK, np.uint64(PROB_BITS), np.uint64(16), np.uint64(RANS_L)
+    f16, last = np.uint64(0xFFFF), np.uint64(cols - 1)
+    x0 = np.uint64(w0[0]) | (np.uint64(w0[1]) << wb)
+    x1 = np.uint64(w1[0]) | (np.uint64(w1[1]) << wb)
+    x2 = np.uint64(w2[0]) | (np.uint64(w2[1]) << wb)
+    x3 = np.uint64(w3[0]) | (np.uint64(w3[1]) << wb)
+    r0 = r1 = r2 = r3 = np.uint64(2)
+    for i in range(0, n - n % 4, 4):
+        s0, s1, s2, s3 = dlut[x0 & msk], dlut[x1 & msk], dlut[x2 & msk], dlut[x3 & msk]
+        syms[np.uint64(i)], syms[np.uint64(i + 1)] = s0, s1
+        syms[np.uint64(i + 2)], syms[np.uint64(i + 3)] = s2, s3
+        e0, e1, e2, e3 = np.uint64(dfc[s0]), np.uint64(dfc[s1]), np.uint64(dfc[s2]), np.uint64(dfc[s3])
+        x0 = (e0 & f16) * (x0 >> sh) + (x0 & msk) - (e0 >> wb)
+        x1 = (e1 & f16) * (x1 >> sh) + (x1 & msk) - (e1 >> wb)
+        x2 = (e2 & f16) * (x2 >> sh) + (x2 & msk) - (e2 >> wb)
+        x3 = (e3 & f16) * (x3 >> sh) + (x3 & msk) - (e3 >> wb)
+        l0, l1, l2, l3 = x0 < lo, x1 < lo, x2 < lo, x3 < lo
+        y0 = (x0 << wb) | np.uint64(w0[min(r0, last)])
+        y1 = (x1 << wb) | np.uint64(w1[min(r1, last)])
+        y2 = (x2 << wb) | np.uint64(w2[min(r2, last)])
+        y3 = (x3 << wb) | np.uint64(w3[min(r3, last)])
+        x0, x1, x2, x3 = (y0 if l0 else x0), (y1 if l1 else x1), (y2 if l2 else x2), (y3 if l3 else x3)
+        r0, r1, r2, r3 = r0 + np.uint64(l0), r1 + np.uint64(l1), r2 + np.uint64(l2), r3 + np.uint64(l3)
+    xs = [x0, x1, x2, x3]
+    rs = [r0, r1, r2, r3]
+    for i in range(n - n % 4, n):  # the tail: lanes 0..2 once more
+        lane = i & 3
+        x = xs[lane]
+        s = dlut[x & msk]
+        syms[i] = s
+        e = np.uint64(dfc[s])
+        x = (e & f16) * (x >> sh) + (x & msk) - (e >> wb)
+        if x < lo:
+            x = (x << wb) | np.uint64(rwords[lane, min(rs[lane], last)])
+            rs[lane] += np.uint64(1)
+        xs[lane] = x
+    ok = True
+    for lane in range(LANES):
+        ok = ok and xs[lane] == lo and rs[lane] == np.uint64(rlens[lane])
+    return 0 if ok else -1

@@ -1,0 +1,237 @@
+"""Lossless delta codec, decoder side: ``decode_tensor(prev, blob)`` and the two-phase in-place patch.
+
+Invariants:
+- A blob is checksummed (crc32) and checked against its base's dtype and shape before anything is decoded
+  (``CorruptDeltaError`` / ``ValueError`` naming the tensor), and every chunk's streams must end exactly
+  where the encoder left them; a chunk that fails writes nothing.
+- ``TensorDecoder`` never writes to ``prev``. With ``prepare=False`` it produces a new array; with
+  ``prepare=True`` it produces a ``Patch``: for sparse tensors the flat indices and new bit patterns of the
+  changed elements, for the others the whole new tensor. ``Patch.apply`` is the only step that writes into
+  live weights, so an engine decodes while serving and pauses only for the scatter.
+- Work is split into the encoder's chunks; kernels release the GIL, so ``tasks()`` run in parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import zstandard
+
+from tandem.weights import decode_kernels as D
+from tandem.weights import kernels as K
+from tandem.weights.blob import (
+    DENSE,
+    IDENT,
+    RAW,
+    SPARSE,
+    CorruptDeltaError,
+    check_match,
+    key_spec,
+    parse_header,
+)
+from tandem.weights.codec import Task, chunk_ranges, run_tasks
+from tandem.weights.entropy import golomb_params
+from tandem.weights.tables import Table, parse_table, read_varint
+
+
+@dataclass
+class _ChunkStream:
+    start: int
+    stop: int
+    count: int
+    rwords: np.ndarray  # one row per rANS stream, zero-padded
+    rlens: np.ndarray
+    bwords: np.ndarray
+    nbits: int
+
+
+@dataclass
+class Patch:
+    """What turns one live tensor into its next version: either the sorted flat ``indices`` and their new
+    ``values`` (bit patterns of the tensor's key width), or a ``whole`` new tensor, or nothing (unchanged)."""
+
+    name: str
+    shape: tuple[int, ...]
+    indices: np.ndarray | None = None
+    values: np.ndarray | None = None
+    whole: np.ndarray | None = None
+
+    @property
+    def changed(self) -> bool:
+        return self.whole is not None or (self.indices is not None and self.indices.shape[0] > 0)
+
+    def apply(self, tensor: np.ndarray) -> np.ndarray | None:
+        """Write into ``tensor`` (writable, C-contiguous, the base this patch was decoded against). Returns
+        the flat indices written, or None when the whole tensor was replaced."""
+        if not (tensor.flags.writeable and tensor.flags.c_contiguous) or tensor.shape != self.shape:
+            raise ValueError(
+                f"tensor {self.name!r} must be writable, C-contiguous and of shape {list(self.shape)} to be "
+                f"patched, got shape {list(tensor.shape)}"
+            )
+        if self.whole is not None:
+            np.copyto(tensor, self.whole)
+            return None
+        if self.indices is not None and self.indices.shape[0]:
+            flat = tensor.reshape(-1).view(self.values.dtype)
+            D.scatter(flat, self.indices, self.values)
+        return self.indices
+
+
+class TensorDecoder:
+    """Parse (and checksum) a blob against its base, then run ``tasks()`` and call ``finish()``."""
+
+    def __init__(self, name: str, prev: np.ndarray, blob: bytes, prepare: bool = False) -> None:
+        self.name = name
+        self.header = h = parse_header(blob, name)
+        check_match(name, h, prev)
+        self.blob = memoryview(blob)
+        self.prev = np.require(prev, requirements="C")
+        self.prepare = prepare
+        self.spec = key_spec(prev.dtype)
+        self.sparse = h.mode == SPARSE
+        self.out = None if prepare and h.mode in (SPARSE, IDENT) else np.empty_like(self.prev)
+        self.status: list[int] = []
+        self.streams: list[_ChunkStream] = []
+        self._idx: list[np.ndarray] = []
+        self._vals: list[np.ndarray] = []
+        if h.mode in (SPARSE, DENSE):
+            if self.spec is None:
+                raise CorruptDeltaError(f"delta blob of {name!r}: mode {h.mode} is invalid for {prev.dtype}")
+            self._parse_streams()
+
+    # -------------------------------------------------------------- parsing
+    def _parse_streams(self) -> None:
+        buf, pos, h = self.blob, self.header.payload_start, self.header
+        try:
+            if self.sparse:
+                self.gap_mode = buf[pos]
+                pos += 1
+                self.gap_table = Table(np.ones(1, np.int64) << 14)
+                self.golomb_m = 1
+                if self.gap_mode == K.GAP_TABLE:
+                    self.gap_table, pos = parse_table(buf, pos)
+                else:
+                    self.golomb_m, pos = read_varint(buf, pos)
+            self.table, pos = parse_table(buf, pos)
+            chunk = 1 << buf[pos]
+            pos += 1
+            for a in range(0, h.numel, chunk):
+                pos = self._parse_chunk(pos, a, min(a + chunk, h.numel))
+        except (ValueError, IndexError) as e:
+            raise CorruptDeltaError(f"delta blob of {self.name!r} is inconsistent: {e}") from None
+        counts_ok = not self.sparse or sum(s.count for s in self.streams) == h.changed
+        if pos != h.payload_end or not counts_ok:
+            raise CorruptDeltaError(f"delta blob of {self.name!r} is inconsistent: payload size or counts")
+
+    def _parse_chunk(self, pos: int, a: int, b: int) -> int:
+        buf = self.blob
+        count = 0
+        if self.sparse:
+            count, pos = read_varint(buf, pos)
+        lens = []
+        for _ in range(2 if self.sparse else K.LANES):
+            nr, pos = read_varint(buf, pos)
+            lens.append(nr)
+        nbits, pos = read_varint(buf, pos)
+        nbytes = (nbits + 7) // 8
+        if pos + 2 * sum(lens) + nbytes > self.header.payload_end or count > b - a:
+            raise ValueError("chunk streams run past the end")
+        rwords = np.zeros((len(lens), max(lens) + 1), np.uint16)  # zero padding for branch-free decoders
+        for j, nr in enumerate(lens):
+            rwords[j, :nr] = np.frombuffer(buf, "<u2", nr, pos)
+            pos += 2 * nr
+        bwords = np.zeros(nbytes // 8 + 3, np.uint64)
+        bwords.view(np.uint8)[:nbytes] = np.frombuffer(buf, np.uint8, nbytes, pos)
+        self.streams.append(_ChunkStream(a, b, count, rwords, np.array(lens, np.int64), bwords, nbits))
+        return pos + nbytes
+
+    # -------------------------------------------------------------- decoding
+    def tasks(self) -> list[Task]:
+        mode = self.header.mode
+        self.status = [1] * len(self.streams)
+        if mode == SPARSE:
+            self._idx = [np.zeros(0, np.int64)] * len(self.streams)
+            self._vals = [np.zeros(0, self.spec.bits_dtype)] * len(self.streams)
+            return [partial(self._sparse, k) for k in range(len(self.streams))]
+        if mode == DENSE:
+            return [partial(self._dense, k) for k in range(len(self.streams))]
+        if mode == IDENT:
+            if self.out is None:
+                return []
+            flat_p, flat_o = self.prev.reshape(-1), self.out.reshape(-1)
+            return [partial(np.copyto, flat_o[a:b], flat_p[a:b]) for a, b in chunk_ranges(self.header.numel)]
+        return [self._whole]
+
+    def _sparse(self, k: int) -> None:
+        s, t, g, spec = self.streams[k], self.table, self.gap_table, self.spec
+        p = self.prev.reshape(-1).view(spec.bits_dtype)[s.start : s.stop]
+        b, u = golomb_params(self.golomb_m)
+        idx, z = np.empty(s.count, np.int64), np.empty(s.count, np.int64)
+        self.status[k] = D.decode_sparse_chunk(
+            s.stop - s.start, s.count, self.gap_mode, g.lut, g.freq, g.cum, t.lut, t.freq, t.cum,
+            self.golomb_m, b, u, s.rwords, s.rlens, s.bwords, s.nbits, idx, z,
+        )  # fmt: skip
+        if self.status[k] != 0:
+            return  # nothing written: a bad stream never touches the output
+        if self.out is None:
+            vals = np.empty(s.count, spec.bits_dtype)
+            D.new_values(p, idx, z, spec.sign, spec.mask, vals)
+            self._idx[k], self._vals[k] = idx + s.start, vals
+        else:
+            o = self.out.reshape(-1).view(spec.bits_dtype)[s.start : s.stop]
+            np.copyto(o, p)
+            D.patch_chunk(p, o, idx, z, spec.sign, spec.mask)
+
+    def _dense(self, k: int) -> None:
+        s, t, spec = self.streams[k], self.table, self.spec
+        p = self.prev.reshape(-1).view(spec.bits_dtype)[s.start : s.stop]
+        o = self.out.reshape(-1).view(spec.bits_dtype)[s.start : s.stop]
+        self.status[k] = D.decode_dense_chunk(
+            p, o, t.lut, t.fc, s.rwords, s.rlens, s.bwords, s.nbits, spec.sign, spec.mask, K.DKEY
+        )
+
+    def _whole(self) -> None:
+        h, payload = self.header, self.blob[self.header.payload_start : self.header.payload_end]
+        ob = self.out.reshape(-1).view(np.uint8)
+        if h.mode == RAW:
+            if len(payload) != ob.shape[0]:
+                raise CorruptDeltaError(f"delta blob of {self.name!r}: raw payload has the wrong size")
+            ob[:] = np.frombuffer(payload, np.uint8)
+        else:
+            try:
+                xor = zstandard.ZstdDecompressor().decompress(payload, max_output_size=ob.shape[0])
+            except zstandard.ZstdError as e:
+                raise CorruptDeltaError(f"delta blob of {self.name!r}: {e}") from None
+            if len(xor) != ob.shape[0]:
+                raise CorruptDeltaError(f"delta blob of {self.name!r}: xor payload has the wrong size")
+            np.bitwise_xor(self.prev.reshape(-1).view(np.uint8), np.frombuffer(xor, np.uint8), out=ob)
+        self.status = [0]
+
+    def _check(self) -> None:
+        if any(s != 0 for s in self.status):
+            raise CorruptDeltaError(f"delta blob of {self.name!r} is inconsistent; refetch it")
+
+    def finish(self) -> np.ndarray:
+        """The new tensor (``prepare=False``)."""
+        self._check()
+        assert self.out is not None
+        return self.out
+
+    def patch(self) -> Patch:
+        """The patch for ``Patch.apply`` (``prepare=True``)."""
+        self._check()
+        shape = self.header.shape
+        if self.header.mode == IDENT:
+            return Patch(self.name, shape)
+        if self.sparse:
+            return Patch(self.name, shape, np.concatenate(self._idx), np.concatenate(self._vals))
+        return Patch(self.name, shape, whole=self.out)
+
+
+def decode_tensor(prev: np.ndarray, blob: bytes, name: str = "tensor", threads: int = 1) -> np.ndarray:
+    """The tensor ``blob`` was encoded to, given the ``prev`` it was encoded against (a new array)."""
+    dec = TensorDecoder(name, prev, blob)
+    run_tasks(dec.tasks(), threads)
+    return dec.finish()

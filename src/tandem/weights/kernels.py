@@ -1,0 +1,300 @@
+"""Per-chunk numba kernels of the delta codec, encoder side: find changes and encode them (decoding kernels
+are in ``tandem.weights.decode_kernels``).
+
+Model: an element of width W (16 for bf16/fp16, 32 for fp32) is mapped to its ordered key (sign-magnitude ->
+monotone unsigned: ``key(-0.0) + 1 == key(+0.0)``, NaN and inf are just bit patterns), and a change is
+``d = key(cur) - key(prev)``, zigzag-coded as ``z`` (``z = 0`` means unchanged). Every mapping is a bijection
+on W-bit patterns, so decoding is bit-exact for any input, including NaN payloads.
+
+Invariants:
+- ``scan_chunk`` lists the positions of at most a fixed number of changes (or reports "too dense");
+  ``change_hist`` histograms gap symbols and diff symbols of ``z`` (symbol 0 = unchanged, which sparse
+  streams never code, so the same row is the dense histogram).
+- Sparse chunk, per change in index order: the gap (unchanged elements since the previous change) as a
+  symbol of the gap rANS stream + raw bits, or as a Golomb code in the bit stream; then the diff as a
+  symbol of the diff rANS stream + raw bits. Dense chunk, per element ``i``: the diff symbol in rANS stream
+  ``i % LANES`` + raw bits. Raw bits of all symbols share one bit stream, in element order. Each rANS
+  stream has its own state, so decoders overlap their dependency chains.
+- Kernels do every array access themselves and call only scalar helpers (see ``tandem.weights.entropy``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from tandem.weights.entropy import (
+    ALPHABET,
+    DIRECT,
+    NJIT,
+    RANS_L,
+    U16,
+    bucket,
+    bw_add,
+    golomb_remainder,
+)
+
+# symbol -> change in key space for symbols without raw bits (0 for the others, fixed up separately)
+DKEY = np.array([((z >> 1) ^ -(z & 1)) if z < DIRECT else 0 for z in range(ALPHABET)], np.int64)
+GAP_TABLE = 0
+GAP_GOLOMB = 1
+HIST_ROWS = 2  # gap symbols, diff symbols
+LANES = 4  # interleaved rANS streams of a dense chunk
+
+
+@njit(**NJIT)
+def to_key(u: int, sign: int, mask: int) -> int:
+    return u ^ mask if u & sign else u | sign
+
+
+@njit(**NJIT)
+def from_key(k: int, sign: int, mask: int) -> int:
+    return k ^ sign if k & sign else k ^ mask
+
+
+@njit(**NJIT)
+def zigzag(d: int) -> int:
+    return (d << 1) ^ (d >> 63)
+
+
+@njit(**NJIT)
+def unzigzag(z: int) -> int:
+    return (z >> 1) ^ -(z & 1)
+
+
+# --------------------------------------------------------------------------- scan
+@njit(**NJIT)
+def scan_chunk(
+    p: np.ndarray, c: np.ndarray, p64: np.ndarray, c64: np.ndarray, width: int, sign: int, mask: int,
+    idx_out: np.ndarray, z_out: np.ndarray,
+) -> int:  # fmt: skip
+    """Store the positions and ``z`` of the changes of one chunk; returns their count, or -1 as soon as
+    there are more than ``len(idx_out) - 8``. ``p64``/``c64`` are uint64 views of the first
+    ``len(p64) * 64 // width`` elements (empty when not 8-byte aligned): equal words are skipped eight bytes
+    at a time, and the lanes of a differing word are compacted without branches."""
+    cap = idx_out.shape[0] - 8
+    lanes = 64 // width
+    lane_mask = np.uint64((1 << width) - 1)
+    cnt = 0
+    for j in range(p64.shape[0]):
+        x = p64[j] ^ c64[j]
+        if x != 0:
+            base = j * lanes
+            for k in range(lanes):
+                i = base + k
+                idx_out[cnt] = i
+                z_out[cnt] = zigzag(to_key(np.int64(c[i]), sign, mask) - to_key(np.int64(p[i]), sign, mask))
+                cnt += ((x >> np.uint64(k * width)) & lane_mask) != 0
+            if cnt > cap:
+                return -1
+    for i in range(p64.shape[0] * lanes, p.shape[0]):
+        idx_out[cnt] = i
+        z_out[cnt] = zigzag(to_key(np.int64(c[i]), sign, mask) - to_key(np.int64(p[i]), sign, mask))
+        cnt += p[i] != c[i]
+        if cnt > cap:
+            return -1
+    return cnt
+
+
+@njit(**NJIT)
+def change_hist(idx: np.ndarray, z: np.ndarray, size: int, hist: np.ndarray) -> None:
+    """Add one chunk's gap symbols (row 0) and diff symbols (row 1; the unchanged count goes to symbol 0,
+    which sparse streams never use, so row 1 is also the dense histogram) to ``hist``."""
+    last = -1
+    for k in range(idx.shape[0]):
+        i = np.int64(idx[k])
+        hist[0, bucket(i - last - 1)[0]] += 1
+        hist[1, bucket(np.int64(z[k]))[0]] += 1
+        last = i
+    hist[1, 0] += size - idx.shape[0]
+
+
+@njit(**NJIT)
+def dense_symbols(p: np.ndarray, c: np.ndarray, sign: int, mask: int, syms: np.ndarray) -> None:
+    """The diff symbol of every element of one chunk (a branch-free loop that LLVM vectorises)."""
+    for i in range(p.shape[0]):
+        zz = zigzag(to_key(np.int64(c[i]), sign, mask) - to_key(np.int64(p[i]), sign, mask))
+        syms[i] = bucket(zz)[0]
+
+
+@njit(**NJIT)
+def golomb_total_bits(idx: np.ndarray, m: int, b: int, u: int) -> int:
+    """Bits of the Golomb codes of the gaps of one chunk's change positions."""
+    last = -1
+    total = 0
+    for k in range(idx.shape[0]):
+        gap = np.int64(idx[k]) - last - 1
+        last = np.int64(idx[k])
+        q = gap // m
+        r = gap - q * m
+        total += q + 1 + (0 if b == 0 else (b - 1 if r < u else b))
+    return total
+
+
+# --------------------------------------------------------------------------- encode
+@njit(**NJIT)
+def _encode_lane(syms: np.ndarray, first: int, step: int, enc: np.ndarray, buf: np.ndarray) -> int:
+    """rANS-encode ``syms[first::step]`` (backwards) into ``buf`` from its end, then the final state (low word
+    first in stream order); returns the first used slot. ``buf`` needs ``len(syms[first::step]) + 3``.
+    Written out by hand (unsigned indices, one row per encoder field) because it runs once per symbol."""
+    x_max, rcp, shift, bias, cmpl = enc[0], enc[1], enc[2], enc[3], enc[4]
+    r = np.uint64(buf.shape[0])
+    x = np.uint64(RANS_L)
+    count = (syms.shape[0] - first + step - 1) // step if first < syms.shape[0] else 0
+    wb, one = np.uint64(16), np.uint64(1)
+    for k in range(count - 1, -1, -1):
+        s = np.uint64(syms[np.uint64(first + k * step)])
+        emit = x >= x_max[s]
+        buf[r - one] = x & U16
+        x = (x >> wb) if emit else x
+        r -= np.uint64(emit)
+        q = ((x * rcp[s]) >> np.uint64(32)) >> shift[s]
+        x = x + bias[s] + q * cmpl[s]
+    buf[r - one] = x >> wb
+    buf[r - np.uint64(2)] = x & U16
+    return np.int64(r) - 2
+
+
+@njit(**NJIT)
+def count_symbols(syms: np.ndarray, hist: np.ndarray) -> None:
+    """``hist[s] += count of s``, with four sub-histograms so repeated symbols do not serialise."""
+    sub = np.zeros((4, hist.shape[0]), np.int64)
+    for i in range(syms.shape[0]):
+        sub[i & 3, syms[i]] += 1
+    for j in range(4):
+        for s in range(hist.shape[0]):
+            hist[s] += sub[j, s]
+
+
+@njit(**NJIT)
+def encode_sparse_chunk(
+    idx: np.ndarray,
+    z: np.ndarray,
+    gap_mode: int,
+    genc: np.ndarray,
+    denc: np.ndarray,
+    m: int,
+    b: int,
+    u: int,
+    rbuf: np.ndarray,
+    bbuf: np.ndarray,
+) -> tuple[int, int, int, int]:
+    """Returns (first used slot of the gap stream ``rbuf[0]`` (table mode) and of the diff stream
+    ``rbuf[1]``, used words of ``bbuf``, total bits). Each rANS stream has its own state, so a decoder runs
+    their dependency chains in parallel. ``rbuf`` rows need ``len(idx) + 3`` slots; ``bbuf`` the bits'
+    words + 3."""
+    n = idx.shape[0]
+    gs = np.empty(n, np.uint8)
+    ds = np.empty(n, np.uint8)
+    w, acc, nb = 0, np.uint64(0), 0
+    last = -1
+    for k in range(n):
+        gap = np.int64(idx[k]) - last - 1
+        last = np.int64(idx[k])
+        if gap_mode == GAP_TABLE:
+            s, ne, ex = bucket(gap)
+            gs[k] = s
+            acc, nb, word, full = bw_add(acc, nb, ex, ne)
+            bbuf[w] = word
+            w += full
+        else:
+            q = gap // m
+            rem, rl = golomb_remainder(gap - q * m, b, u)
+            while q > 48:
+                acc, nb, word, full = bw_add(acc, nb, (1 << 48) - 1, 48)
+                bbuf[w] = word
+                w += full
+                q -= 48
+            acc, nb, word, full = bw_add(acc, nb, (1 << q) - 1, q + 1)
+            bbuf[w] = word
+            w += full
+            acc, nb, word, full = bw_add(acc, nb, rem, rl)
+            bbuf[w] = word
+            w += full
+        s, ne, ex = bucket(np.int64(z[k]))
+        ds[k] = s
+        acc, nb, word, full = bw_add(acc, nb, ex, ne)
+        bbuf[w] = word
+        w += full
+    total_bits = w * 64 + nb
+    if nb > 0:
+        bbuf[w] = acc
+        w += 1
+    rg = _encode_lane(gs, 0, 1, genc, rbuf[0]) if gap_mode == GAP_TABLE else rbuf.shape[1]
+    rd = _encode_lane(ds, 0, 1, denc, rbuf[1])
+    return rg, rd, w, total_bits
+
+
+@njit(**NJIT)
+def encode_dense_chunk(
+    p: np.ndarray, c: np.ndarray, syms: np.ndarray, sign: int, mask: int, denc: np.ndarray, rbuf: np.ndarray,
+    bbuf: np.ndarray, starts: np.ndarray,
+) -> tuple[int, int]:  # fmt: skip
+    """One symbol per element (``syms`` from ``dense_symbols``); element ``i`` goes to rANS stream
+    ``i % LANES`` (row of ``rbuf``, each row ``len(p) // LANES + 4`` slots), whose first used slot is
+    written to ``starts``. Returns (used words of ``bbuf``, total bits)."""
+    w, acc, nb = 0, np.uint64(0), 0
+    for i in range(p.shape[0]):
+        if syms[i] >= DIRECT:  # only large changes carry raw bits
+            zz = zigzag(to_key(np.int64(c[i]), sign, mask) - to_key(np.int64(p[i]), sign, mask))
+            _, ne, ex = bucket(zz)
+            acc, nb, word, full = bw_add(acc, nb, ex, ne)
+            bbuf[w] = word
+            w += full
+    total_bits = w * 64 + nb
+    if nb > 0:
+        bbuf[w] = acc
+        w += 1
+    _encode_lanes(syms, denc, rbuf, starts)
+    return w, total_bits
+
+
+@njit(**NJIT)
+def _encode_lanes(syms: np.ndarray, enc: np.ndarray, rbuf: np.ndarray, starts: np.ndarray) -> None:
+    """``_encode_lane`` for the four lanes at once (element ``i`` in lane ``i % 4``): their four
+    independent state chains interleave, so the CPU overlaps them."""
+    n = syms.shape[0]
+    tail = n - n % 4
+    x_max, rcp, shift, bias, cmpl = enc[0], enc[1], enc[2], enc[3], enc[4]
+    b0, b1, b2, b3 = rbuf[0], rbuf[1], rbuf[2], rbuf[3]
+    wb, one, lo = np.uint64(16), np.uint64(1), np.uint64(RANS_L)
+    r0 = r1 = r2 = r3 = np.uint64(rbuf.shape[1])
+    x0 = x1 = x2 = x3 = lo
+    for i in range(n - 1, tail - 1, -1):  # the partial last group first: encoding runs backwards
+        s = np.uint64(syms[i])
+        lane = i & 3
+        x = x0 if lane == 0 else (x1 if lane == 1 else x2)
+        r = r0 if lane == 0 else (r1 if lane == 1 else r2)
+        emit = x >= x_max[s]
+        rbuf[lane, r - one] = x & U16
+        x = (x >> wb) if emit else x
+        r -= np.uint64(emit)
+        x = x + bias[s] + (((x * rcp[s]) >> np.uint64(32)) >> shift[s]) * cmpl[s]
+        if lane == 0:
+            x0, r0 = x, r
+        elif lane == 1:
+            x1, r1 = x, r
+        else:
+            x2, r2 = x, r
+    for g in range(tail - 4, -1, -4):
+        s0, s1 = np.uint64(syms[g]), np.uint64(syms[g + 1])
+        s2, s3 = np.uint64(syms[g + 2]), np.uint64(syms[g + 3])
+        e0, e1, e2, e3 = x0 >= x_max[s0], x1 >= x_max[s1], x2 >= x_max[s2], x3 >= x_max[s3]
+        b0[r0 - one], b1[r1 - one], b2[r2 - one], b3[r3 - one] = x0 & U16, x1 & U16, x2 & U16, x3 & U16
+        x0, x1 = (x0 >> wb) if e0 else x0, (x1 >> wb) if e1 else x1
+        x2, x3 = (x2 >> wb) if e2 else x2, (x3 >> wb) if e3 else x3
+        r0, r1, r2, r3 = r0 - np.uint64(e0), r1 - np.uint64(e1), r2 - np.uint64(e2), r3 - np.uint64(e3)
+        x0 = x0 + bias[s0] + (((x0 * rcp[s0]) >> np.uint64(32)) >> shift[s0]) * cmpl[s0]
+        x1 = x1 + bias[s1] + (((x1 * rcp[s1]) >> np.uint64(32)) >> shift[s1]) * cmpl[s1]
+        x2 = x2 + bias[s2] + (((x2 * rcp[s2]) >> np.uint64(32)) >> shift[s2]) * cmpl[s2]
+        x3 = x3 + bias[s3] + (((x3 * rcp[s3]) >> np.uint64(32)) >> shift[s3]) * cmpl[s3]
+    xs, rs = (x0, x1, x2, x3), (r0, r1, r2, r3)
+    for lane in range(LANES):
+        x, r = xs[lane], rs[lane]
+        rbuf[lane, r - one] = x >> wb
+        rbuf[lane, r - np.uint64(2)] = x & U16
+        starts[lane] = np.int64(r) - 2
+
+
+def new_hist() -> np.ndarray:
+    return np.zeros((HIST_ROWS, ALPHABET), np.int64)

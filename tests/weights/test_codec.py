@@ -1,0 +1,215 @@
+"""The tensor codec (``tandem.weights.codec`` + ``decoder``): bit-exact round trips for every dtype and mode,
+edge values, corruption detection, mismatch errors, determinism across threads, size near the bound."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from tandem.weights.blob import (
+    DENSE,
+    IDENT,
+    MODE_NAMES,
+    RAW,
+    SPARSE,
+    XOR_ZSTD,
+    CorruptDeltaError,
+    parse_header,
+)
+from tandem.weights.bound import entropy_bound_bits
+from tandem.weights.codec import CHUNK_LOG2, encode_tensor
+from tandem.weights.decoder import TensorDecoder, decode_tensor
+from tandem.weights.kernels import GAP_GOLOMB, GAP_TABLE
+
+SPECIALS = [np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -1e-40, 65504.0, -1.0]
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns as uint16, the way the trainer publishes them."""
+    return torch.from_numpy(np.ascontiguousarray(x, np.float32)).bfloat16().view(torch.uint16).numpy()
+
+
+def as_dtype(x: np.ndarray, kind: str) -> np.ndarray:
+    return bf16(x) if kind == "bf16" else x.astype(kind)
+
+
+def roundtrip(prev: np.ndarray, cur: np.ndarray, threads: int = 1) -> bytes:
+    blob = encode_tensor(prev, cur, threads=threads)
+    out = decode_tensor(prev, blob, threads=threads)
+    assert out.dtype == cur.dtype and out.shape == cur.shape
+    assert out.tobytes() == cur.tobytes()
+    return blob
+
+
+def mode_of(blob: bytes) -> int:
+    return parse_header(blob).mode
+
+
+def adam_like(n: int, lr: float, kind: str, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(n).astype(np.float32) * 0.02
+    step = lr * rng.standard_normal(n).astype(np.float32)
+    return as_dtype(w, kind), as_dtype(w + step, kind)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "float16", "float32"])
+@pytest.mark.parametrize("lr", [1e-7, 3e-6, 1e-4])
+def test_float_roundtrip_is_bit_exact_sparse_and_dense(kind, lr):
+    prev, cur = adam_like(200_003, lr, kind)
+    blob = roundtrip(prev, cur.reshape(prev.shape))
+    assert mode_of(blob) in (SPARSE, DENSE)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "float16", "float32"])
+def test_special_values_round_trip(kind):
+    rng = np.random.default_rng(1)
+    prev = as_dtype(rng.standard_normal(4000).astype(np.float32), kind)
+    cur = prev.copy()
+    specials = as_dtype(np.array(SPECIALS, np.float32), kind)
+    cur[:10] = specials  # finite -> special
+    prev[100:110] = specials  # special -> finite
+    cur[200:210] = specials[::-1]
+    prev[200:210] = specials
+    roundtrip(prev, cur)
+    if kind != "bf16":  # NaN payloads survive too
+        bits = cur.view(np.uint16 if kind == "float16" else np.uint32)
+        bits[300] = 0x7E01 if kind == "float16" else 0x7FC00123
+        roundtrip(prev, cur)
+
+
+def test_every_16_bit_pattern_maps_to_every_other():
+    p = np.arange(65536, dtype=np.uint16)
+    roundtrip(p, p[::-1].copy())
+    roundtrip(p, np.roll(p, 1))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.uint16, np.int64, np.bool_])
+def test_empty_and_zero_dim_tensors(dtype):
+    roundtrip(np.zeros((0, 7), dtype), np.zeros((0, 7), dtype))
+    a, b = np.array(1, dtype), np.array(0, dtype)
+    assert mode_of(roundtrip(a, a.copy())) == IDENT
+    roundtrip(a, b)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.int8, np.float64, np.bool_, np.complex64])
+def test_other_dtypes_use_the_dense_fallback(dtype):
+    rng = np.random.default_rng(2)
+    prev = (rng.standard_normal((40, 25)) * 50).astype(dtype)
+    cur = prev.copy()
+    cur[3, 4] = ~cur[3, 4] if dtype is np.bool_ else cur[3, 4] + 1
+    blob = roundtrip(prev, cur)
+    assert mode_of(blob) == XOR_ZSTD and parse_header(blob).changed == 1
+    assert mode_of(roundtrip(prev, prev.copy())) == IDENT
+
+
+def test_identical_tensor_costs_only_a_header():
+    prev, _ = adam_like(1 << 16, 0, "bf16")
+    blob = roundtrip(prev, prev.copy())
+    assert mode_of(blob) == IDENT and len(blob) < 24
+
+
+def test_random_bits_fall_back_to_raw():
+    rng = np.random.default_rng(3)
+    prev = rng.integers(0, 2**32, 5000, dtype=np.uint32).view(np.float32)
+    cur = rng.integers(0, 2**32, 5000, dtype=np.uint32).view(np.float32)
+    blob = roundtrip(prev, cur)
+    assert mode_of(blob) == RAW and len(blob) < cur.nbytes + 32
+
+
+def test_both_gap_coders_are_used_and_exact():
+    gap_modes = set()
+    for n, p in [(3000, 0.01), (3 << 20, 0.004), (1 << 20, 0.05)]:
+        rng = np.random.default_rng(n)
+        prev = rng.integers(0, 1 << 14, n).astype(np.uint16)
+        cur = prev.copy()
+        idx = rng.choice(n, int(n * p), replace=False)
+        cur[idx] += rng.choice(np.array([1, 2], np.uint16), idx.size)
+        blob = roundtrip(prev, cur)
+        h = parse_header(blob)
+        assert h.mode == SPARSE
+        gap_modes.add(blob[h.payload_start])
+    assert gap_modes == {GAP_TABLE, GAP_GOLOMB}
+
+
+def test_multi_chunk_output_does_not_depend_on_threads():
+    prev, cur = adam_like((1 << CHUNK_LOG2) * 2 + 12345, 3e-6, "bf16", seed=4)
+    one = encode_tensor(prev, cur, threads=1)
+    assert encode_tensor(prev, cur, threads=2) == one
+    assert decode_tensor(prev, one, threads=2).tobytes() == cur.tobytes()
+
+
+def test_bits_per_param_within_115_percent_of_the_entropy_bound():
+    n = 1 << 21
+    rng = np.random.default_rng(5)
+    prev = bf16(rng.standard_normal(n).astype(np.float32) * 0.02)
+    cur = prev.copy()
+    idx = rng.choice(n, n // 100, replace=False)
+    step = np.where(rng.random(idx.size) < 0.5, 1, -1)
+    step[rng.random(idx.size) < 0.03] *= 2  # a few 2-ulp steps
+    bits = prev[idx].astype(np.int64)
+    keys = np.where(bits & 0x8000, bits ^ 0xFFFF, bits | 0x8000) + step  # +-1 ulp in value order
+    cur[idx] = np.where(keys & 0x8000, keys ^ 0x8000, keys ^ 0xFFFF).astype(np.uint16)
+    blob = roundtrip(prev, cur)
+    bound = entropy_bound_bits(prev, cur)
+    bits = 8 * len(blob) / n
+    assert 0.05 < bound < 0.2
+    assert bits <= 1.15 * bound, (bits, bound)
+
+
+def test_a_flipped_byte_is_detected_before_decoding():
+    prev, cur = adam_like(50_000, 3e-6, "bf16")
+    blob = bytearray(encode_tensor(prev, cur))
+    for pos in (0, 5, len(blob) // 2, len(blob) - 1):
+        bad = bytearray(blob)
+        bad[pos] ^= 0x40
+        with pytest.raises(CorruptDeltaError, match="corrupt"):
+            decode_tensor(prev, bytes(bad))
+    with pytest.raises(CorruptDeltaError, match="truncated"):
+        decode_tensor(prev, bytes(blob[:5]))
+
+
+def test_corruption_behind_a_valid_checksum_never_crashes():
+    """Flip bytes and re-seal the crc: the decoder must raise or return some tensor, never read or write
+    out of bounds (the version hash of ``decode_delta`` catches what stream checks cannot)."""
+    rng = np.random.default_rng(6)
+    for kind, lr in [("bf16", 3e-6), ("bf16", 1e-4), ("float32", 3e-6)]:
+        prev, cur = adam_like(20_000, lr, kind)
+        blob = encode_tensor(prev, cur)
+        for _ in range(60):
+            bad = bytearray(blob[:-4])
+            bad[int(rng.integers(3, len(bad)))] ^= int(rng.integers(1, 256))
+            bad += zlib.crc32(bad).to_bytes(4, "little")
+            try:
+                out = decode_tensor(prev, bytes(bad))
+            except (CorruptDeltaError, ValueError):
+                continue
+            assert out.shape == prev.shape
+
+
+def test_mismatched_tensors_are_refused_with_names():
+    a = np.zeros((3, 4), np.float32)
+    with pytest.raises(ValueError, match=r"'w'.*shape \[3, 4\].*shape \[4, 3\]"):
+        encode_tensor(a, np.zeros((4, 3), np.float32), name="w")
+    with pytest.raises(ValueError, match="float16"):
+        encode_tensor(a, a.astype(np.float16))
+    blob = encode_tensor(a, a + 1)
+    with pytest.raises(ValueError, match=r"expects dtype float32 shape \[3, 4\]"):
+        decode_tensor(np.zeros((2, 6), np.float32), blob)
+
+
+def test_prepared_patch_writes_only_changed_elements():
+    prev, cur = adam_like(300_000, 2e-6, "bf16")
+    blob = encode_tensor(prev, cur)
+    live = prev.copy()
+    dec = TensorDecoder("w", live, blob, prepare=True)
+    for t in dec.tasks():
+        t()
+    patch = dec.patch()
+    assert np.array_equal(live, prev)  # preparing writes nothing
+    written = patch.apply(live)
+    assert live.tobytes() == cur.tobytes()
+    assert np.array_equal(written, np.flatnonzero(prev != cur))
+    assert MODE_NAMES[mode_of(blob)] == "sparse"
