@@ -242,7 +242,7 @@ def bench_sync(
     engines: Annotated[int, typer.Option(help="Engine processes, spread over the relays.")] = 4,
     bandwidth_mbps: Annotated[float, typer.Option(help="Each relay's upstream link, Mbit/s.")] = 100.0,
     deltas: Annotated[int, typer.Option(help="Delta versions to publish and time.")] = 3,
-    lr: Annotated[float, typer.Option(help="Learning rate of the real trainer steps.")] = 2e-5,
+    lr: Annotated[float, typer.Option(help="Learning rate of the real trainer steps.")] = 2e-6,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Publish -> relays -> engines: time to serve a new version as a delta vs as a full checkpoint."""
@@ -258,12 +258,14 @@ def bench_sync(
 
 
 def _mount_subcommands() -> None:
+    from tandem.cli import env as env_cli
     from tandem.cli import midtrain as midtrain_cli
     from tandem.cli import sandbox as sandbox_cli
     from tandem.cli import weights as weights_cli
     from tandem.cli import weights_serve
 
     app.add_typer(sandbox_cli.app, name="sandbox")
+    app.add_typer(env_cli.app, name="env")
     weights_cli.weights_app.command("serve")(weights_serve.serve)
     weights_cli.weights_app.command("relay")(weights_serve.relay)
     app.add_typer(weights_cli.weights_app, name="weights")

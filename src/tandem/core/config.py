@@ -29,14 +29,15 @@ class ModelConfig(Section):
 
 
 class TaskConfig(Section):
-    source: Literal["builtin"] = "builtin"
-    """Task source; `builtin` is the procedural Python function-writing tasks."""
+    source: Literal["builtin", "humaneval"] = "builtin"
+    """Task source: `builtin` (procedural Python function-writing tasks) or `humaneval` (the 164 HumanEval
+    problems; an evaluation set, so its train and heldout splits are the same problems)."""
     levels: list[int] = [1, 2, 3]
-    """Difficulty levels to draw tasks from (1 easiest)."""
+    """Difficulty levels to draw tasks from (1 easiest; builtin only)."""
     seed: int = 0
-    """Seed of the task generator; splits are disjoint by construction for every seed."""
+    """Seed of the task generator; splits are disjoint by construction for every seed (builtin only)."""
     heldout_size: int = 64
-    """Number of held-out tasks used by evaluation."""
+    """Number of held-out tasks used by evaluation (humaneval: the first min(n, 164) problems)."""
     max_turns: int = 6
     """Assistant turns per session before it is truncated."""
     max_tokens: int = 768

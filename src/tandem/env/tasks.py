@@ -253,7 +253,12 @@ def task_split(
 
 
 def get_task(task_id: str, limits: TaskLimits | None = None) -> Task:
-    """Rebuild a task from its id ``builtin:<split>:s<seed>:l<level>:<index>``."""
+    """Rebuild a task from its id: ``builtin:<split>:s<seed>:l<level>:<index>`` or ``humaneval:HumanEval/<n>``
+    (the latter from ``tandem.env.humaneval``)."""
+    if task_id.startswith("humaneval:"):
+        from tandem.env.humaneval import get_task as humaneval_task
+
+        return humaneval_task(task_id, limits)
     try:
         src, split, s, lv, idx = task_id.split(":")
         if src != "builtin" or s[0] != "s" or lv[0] != "l":
@@ -261,7 +266,8 @@ def get_task(task_id: str, limits: TaskLimits | None = None) -> Task:
         seed, level, index = int(s[1:]), int(lv[1:]), int(idx)
     except (ValueError, IndexError):
         raise ValueError(
-            f"task id {task_id!r} is not a builtin task id; expected builtin:<split>:s<seed>:l<level>:<index>"
+            f"task id {task_id!r} is not a task id; expected builtin:<split>:s<seed>:l<level>:<index> "
+            "or humaneval:HumanEval/<n>"
         ) from None
     return generate_task(split, index, seed, level, limits)
 

@@ -24,7 +24,7 @@ def eval_model(
     import torch
 
     from tandem.engine import BuiltinEngine
-    from tandem.env.tasks import task_split
+    from tandem.env.sources import tasks_for
     from tandem.model import load_chat_format
     from tandem.rollout import RolloutWorker, evaluate
     from tandem.rollout.worker import apply_limits
@@ -36,7 +36,7 @@ def eval_model(
     engine = BuiltinEngine.from_path(model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.train.seed)
     engine.start()
     n = n_tasks or cfg.tasks.heldout_size
-    tasks = [apply_limits(t, cfg) for t in task_split(split, cfg.tasks.seed, cfg.tasks.levels, n)]
+    tasks = [apply_limits(t, cfg) for t in tasks_for(cfg.tasks, split, n)]
     spt = samples_per_task or max(cfg.eval.samples_per_task, max(ks))
 
     async def generate(request):

@@ -50,11 +50,10 @@ class RunResult:
 
 
 def heldout_tasks(cfg: RunConfig):
-    from tandem.env.tasks import task_split
+    from tandem.env.sources import tasks_for
     from tandem.rollout.worker import apply_limits
 
-    tasks = task_split("heldout", cfg.tasks.seed, cfg.tasks.levels, cfg.tasks.heldout_size)
-    return [apply_limits(t, cfg) for t in tasks]
+    return [apply_limits(t, cfg) for t in tasks_for(cfg.tasks, "heldout", cfg.tasks.heldout_size)]
 
 
 def init_ray(cfg: RunConfig) -> None:

@@ -18,7 +18,8 @@ from tandem.env.harness import GenerateFn, run_session
 
 
 class TaskStream:
-    """An endless, deterministic stream of training-split tasks cycling over the configured levels.
+    """An endless, deterministic stream of training-split tasks of ``tasks.source`` (builtin: cycling over the
+    configured levels; see ``tandem.env.sources.task_at``).
 
     Requeued tasks (from failed groups) are served before new ones.
     """
@@ -32,14 +33,11 @@ class TaskStream:
         self._requeued.append(task)
 
     def __next__(self) -> Task:
-        from tandem.env.tasks import generate_task
+        from tandem.env.sources import task_at
 
         if self._requeued:
             return self._requeued.pop(0)
-        i = next(self._indices)
-        levels = self._cfg.tasks.levels
-        task = generate_task("train", i, self._cfg.tasks.seed, levels[i % len(levels)])
-        return apply_limits(task, self._cfg)
+        return apply_limits(task_at(self._cfg.tasks, "train", next(self._indices)), self._cfg)
 
     def __iter__(self) -> TaskStream:
         return self

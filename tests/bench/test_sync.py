@@ -1,0 +1,32 @@
+"""`tandem bench sync` end to end at its smallest: one relay, one engine, one delta, real Ray and HTTP."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_bench_sync_prints_its_json_and_the_delta_is_far_smaller():
+    r = subprocess.run(
+        [sys.executable, "-m", "tandem.cli.main", "bench", "sync", "--json",
+         "--relays", "1", "--engines", "1", "--deltas", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ("bandwidth_mbps", "relays", "engines", "delta_s", "full_s", "speedup", "bound_s", "pause_ms",
+                "full_reload_ms", "tokens_per_s_during_sync_ratio"):  # fmt: skip
+        assert key in out, key
+    assert 0 < out["density"] < 0.5
+    assert 0 < out["delta_bytes"] * 10 < out["full_bytes"] < out["raw_bytes"]
+    assert out["pause_ms"] > 0 and out["full_reload_ms"] > 0 and out["tokens_per_s_quiet"] > 0
+
+
+def test_bench_sync_rejects_bad_counts():
+    r = subprocess.run(
+        [sys.executable, "-m", "tandem.cli.main", "bench", "sync", "--relays", "0"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "relays" in r.stderr
