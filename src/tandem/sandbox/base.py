@@ -30,7 +30,8 @@ from pathlib import Path, PurePosixPath
 
 from tandem.core.config import SandboxConfig
 from tandem.core.errors import SandboxError
-from tandem.sandbox.limits import MIB, Cgroup, _host_tag, _pid_alive, rlimit_script
+from tandem.core.procs import pid_alive
+from tandem.sandbox.limits import MIB, Cgroup, _host_tag, rlimit_script
 
 TIMEOUT_EXIT = 124
 SNAPSHOT_MAX_BYTES = 16 * MIB
@@ -77,7 +78,7 @@ def _sweep_tmp() -> None:
             pid = int(p.name[len(prefix) :].split("-")[0])
         except ValueError:
             continue
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             _rmtree(p)
 
 

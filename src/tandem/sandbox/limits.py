@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from tandem.core.config import SandboxConfig
+from tandem.core.procs import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +54,6 @@ def _own_cgroup_dir(controller: str) -> Path | None:
                 return d
     return None
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _kill_procs(d: Path, deadline_s: float = 2.0) -> None:
@@ -117,7 +109,7 @@ def _sweep(parent: Path) -> None:
             pid = int(d.name[len(prefix) :].split("-")[0])
         except ValueError:
             continue
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             _kill_procs(d)
             _rmdir(d, attempts=5)
 

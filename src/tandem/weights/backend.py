@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
+from tandem.core.procs import pid_alive
 from tandem.weights.errors import MissingKeyError, StoreLockedError, WeightStoreError
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
@@ -82,15 +83,6 @@ def check_key(key: str) -> str:
 def new_owner() -> dict[str, Any]:
     return {"pid": os.getpid(), "host": socket.gethostname(), "token": uuid.uuid4().hex, "since": time.time()}
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def describe_holder(holder: dict[str, Any]) -> str:
