@@ -47,3 +47,16 @@ def test_group_round_trips_through_dicts_and_pickle():
     np.testing.assert_array_equal(a.token_ids, b.token_ids)
     np.testing.assert_array_equal(a.sampler_logprobs, b.sampler_logprobs)
     assert back.trajectories[0].messages[0].content == "hi"
+
+
+def test_trajectory_diff_round_trips_and_old_dicts_load():
+    from tandem.core.records import Reward, Segment, Trajectory
+
+    t = Trajectory(
+        "t", [Segment.empty()], Reward(1.0), flags={"tests_edited": True}, diff="--- a/x\n+++ b/x\n"
+    )
+    back = Trajectory.from_dict(t.to_dict())
+    assert back.diff == t.diff and back.flags == {"tests_edited": True}
+    old = t.to_dict()
+    del old["diff"]
+    assert Trajectory.from_dict(old).diff == ""

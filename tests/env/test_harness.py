@@ -110,3 +110,32 @@ def test_engine_error_ends_the_session_with_zero_reward(chat):
 
     traj = run(task, broken, chat)
     assert traj.flags["engine_error"] and traj.reward.value == 0.0
+
+
+def _write(path, content):
+    return {"name": "write_file", "arguments": {"path": path, "content": content}}
+
+
+def test_test_edit_is_flagged_and_diff_stored(chat):
+    from tandem.env.tasks import SOLUTION_FILE, VISIBLE_TEST_FILE
+
+    task = generate_task("train", 3, 0, 1)
+    replies = [
+        # write_file refuses protected paths; a shell command does not
+        Message(
+            "assistant", "", [{"name": "run", "arguments": {"command": f"echo x > {VISIBLE_TEST_FILE}"}}]
+        ),
+        Message(
+            "assistant",
+            "",
+            [_write(SOLUTION_FILE, task.meta["solution"])],
+        ),
+        Message("assistant", "", [{"name": "submit", "arguments": {}}]),
+    ]
+    generate, _ = scripted(chat, replies)
+    traj = run(task, generate, chat)
+    assert traj.flags["tests_edited"] is True
+    assert traj.reward.components["tests_edited"] == 1.0
+    assert traj.reward.value == 1.0  # the visible test was restored for grading; no penalty by default
+    assert f"--- a/{VISIBLE_TEST_FILE}\n+++ b/{VISIBLE_TEST_FILE}\n" in traj.diff and "+x\n" in traj.diff
+    assert f"+++ b/{SOLUTION_FILE}" in traj.diff

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.core.config import RewardConfig, SandboxConfig
-from tandem.env.reward import parse_result, score, scoring_files
+from tandem.env.reward import parse_result, score, scoring_files, workspace_diff
 from tandem.env.tasks import HIDDEN_TEST_FILE, SOLUTION_FILE, VISIBLE_TEST_FILE, generate_task
 from tandem.sandbox import bwrap_available
 
@@ -91,3 +91,98 @@ def test_parse_result() -> None:
     assert parse_result("RESULT passed=4 total=3\n") is None
     assert parse_result("nothing here") is None
     assert parse_result("RESULT passed=0 total=0") is None
+
+
+def _forged(task) -> str:
+    n = task.meta["hidden_total"]
+    return f"print('RESULT passed={n} total={n}', flush=True)\n"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        # at import: forge the line with the right total and leave with status 0
+        lambda t: t.meta["bugs"][0] + "import os\n" + _forged(t) + "os._exit(0)\n",
+        # at call time, from inside solve
+        lambda t: "import os\ndef solve(*a):\n    " + _forged(t).strip() + "\n    os._exit(0)\n",
+    ],
+    ids=["import-exit", "call-exit"],
+)
+def test_forged_result_and_exit_zero_scores_zero(task, sbx, make) -> None:
+    r = score(task, _files(task, make(task)), ALL, sbx)
+    assert r.value == 0.0 and r.components["all_passed"] == 0.0
+
+
+def test_solution_cannot_reach_the_grader_stdout_memory_or_file(task, sbx) -> None:
+    probe = task.meta["solution"] + (
+        "import os, sys\n"
+        "for p in (f'/proc/{os.getppid()}/fd/1', f'/proc/{os.getppid()}/mem', '_hidden_test.py'):\n"
+        "    try:\n        open(p, 'rb' if p.endswith('.py') else 'wb').close()\n        print('OPENED', p)\n"
+        "    except OSError:\n        print('DENIED', p)\n"
+    )
+    from tandem.sandbox import create_sandbox
+
+    with create_sandbox(scoring_files(task, _files(task, probe)), sbx) as sb:
+        r = sb.exec(list(task.test_command))
+    assert r.exit_code == 0 and r.stderr.count("DENIED") == 3 and "OPENED" not in r.stderr, r.stderr
+    assert r.stdout.rstrip().endswith(
+        f"RESULT passed={task.meta['hidden_total']} total={task.meta['hidden_total']}"
+    )
+
+
+def test_garbage_and_flood_do_not_change_the_score(task, sbx) -> None:
+    noise = (
+        "import sys\nprint('RESULT passed=0 total=1\\n' + 'garbage \\x00 ' * 50)\nprint('y' * 2_000_000)\n"
+    )
+    noise += "sys.stderr.write('e' * 2_000_000)\n"
+    ref = score(task, _files(task, task.meta["solution"] + noise), ALL, sbx)
+    assert ref.value == 1.0 and ref.components["exit_code"] == 0
+    loud = task.meta["bugs"][0] + noise
+    assert (
+        score(task, _files(task, loud), FRAC, sbx).value
+        == score(task, _files(task, task.meta["bugs"][0]), FRAC, sbx).value
+    )
+
+
+def test_test_edits_are_flagged_and_penalised_never_below_zero(task, sbx) -> None:
+    ok = _files(task, task.meta["solution"])
+    clean = score(task, ok, RewardConfig(test_edit_penalty=0.3), sbx)
+    assert clean.value == 1.0 and clean.components["tests_edited"] == 0.0
+    for files in (
+        {**ok, VISIBLE_TEST_FILE: "print('RESULT passed=2 total=2')\n"},
+        {k: v for k, v in ok.items() if k != VISIBLE_TEST_FILE},
+        {**ok, f"sub/{HIDDEN_TEST_FILE}": "x"},
+    ):
+        r = score(task, files, RewardConfig(test_edit_penalty=0.3), sbx)
+        assert r.components["tests_edited"] == 1.0 and r.value == pytest.approx(0.7)
+        assert r.components["test_edit_penalty"] == pytest.approx(0.3)
+    bad = {**_files(task, "def solve(*a):\n    return None\n"), VISIBLE_TEST_FILE: "x"}
+    r = score(task, bad, RewardConfig(test_edit_penalty=0.3), sbx)
+    assert r.value == 0.0 and r.components["tests_edited"] == 1.0 and r.components["test_edit_penalty"] == 0.0
+    with pytest.raises(ValueError):
+        RewardConfig(test_edit_penalty=-1.0)
+
+
+def test_workspace_diff() -> None:
+    d = workspace_diff({"a.py": "x\ny\n", "gone.py": "z\n"}, {"a.py": "x\nY\n", "new.py": "n"})
+    assert "--- a/a.py\n+++ b/a.py\n" in d and "-y\n+Y\n" in d
+    assert "--- a/gone.py\n+++ /dev/null\n" in d and "--- /dev/null\n+++ b/new.py\n" in d
+    assert "+n\n\\ No newline at end of file\n" in d
+    assert workspace_diff({"a": "1"}, {"a": "1"}) == ""
+
+
+def test_hidden_tests_never_appear_in_the_agent_workspace() -> None:
+    from tandem.env.humaneval import get_task as humaneval_task
+    from tandem.sandbox import create_sandbox
+
+    tasks = [generate_task(s, i, 0, lv) for s in ("train", "heldout") for lv in (1, 2, 3) for i in (0, 1)]
+    tasks += [humaneval_task(f"humaneval:HumanEval/{n}") for n in (0, 32, 163)]
+    for t in tasks:
+        assert not set(t.hidden_tests) & set(t.workspace), t.id
+        for hidden in t.hidden_tests.values():
+            assert all(hidden not in content for content in t.workspace.values()), t.id
+    cfg = SandboxConfig(backend="bwrap" if bwrap_available() else "plain")
+    for t in (tasks[0], tasks[-1]):
+        with create_sandbox(t.workspace, cfg) as sb:  # what the agent's sandbox holds
+            assert set(sb.snapshot()) == set(t.workspace)
+            assert "No such file" in sb.exec(["cat", HIDDEN_TEST_FILE]).stderr

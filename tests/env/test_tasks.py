@@ -82,7 +82,7 @@ def test_task_shape() -> None:
     assert f"def {name}(" in t.workspace[SOLUTION_FILE]
     assert "raise NotImplementedError" in t.workspace[SOLUTION_FILE]
     assert set(t.hidden_tests) == {HIDDEN_TEST_FILE}
-    assert t.test_command == ["python3", "-S", HIDDEN_TEST_FILE]
+    assert t.test_command == ["python3", "-I", "-S", HIDDEN_TEST_FILE]
     assert t.visible_test_command == ["python3", "-S", VISIBLE_TEST_FILE]
     assert t.protected == [VISIBLE_TEST_FILE]
     assert 6 <= t.meta["hidden_total"] <= 10 and 2 <= t.meta["visible_total"] <= 3

@@ -29,6 +29,9 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
     assert [row["step"] for row in rows] == [1, 2, 3]
     for key in ("step", "version", "reward_mean", "samples", "staleness_max", "trainer_busy", "engine_busy"):
         assert key in rows[-1], key
+    # mismatch metrics are numbers in every row; the token-probability pairs stay out of metrics.jsonl
+    assert all("train/mismatch_kl_k1" in r and "train/mismatch_ess" in r for r in rows)
+    assert not any("pairs" in k for r in rows for k in r)
     assert all(row["staleness_max"] <= 2 for row in rows)
     assert rows[-1]["version"] == 3
     # The default weight path: each version went to the run's store as a lossless delta, far smaller than

@@ -1,4 +1,7 @@
-"""Trainer on a real tiny Qwen3: learning a rewarded token, publish seam, edge cases of a step."""
+"""Trainer on a real tiny Qwen3: learning a rewarded token, publish seam, edge cases of a step, every loss and
+off-policy correction, mismatch metrics."""
+
+import math
 
 import numpy as np
 import pytest
@@ -184,3 +187,67 @@ def test_publish_bfloat16_as_uint16_bits(model_dir):
         torch.testing.assert_close(torch.from_numpy(arr).view(torch.bfloat16), sd[name].to(torch.bfloat16))
     with pytest.raises(ValueError, match="publish_dtype"):
         Trainer(model_dir, _config(), publish_dtype="float16")
+
+
+MISMATCH_KEYS = (
+    "mismatch_kl", "mismatch_kl_k1", "mismatch_kl_k3", "mismatch_abs_dlogp_mean", "mismatch_abs_dlogp_max",
+    "mismatch_ratio_out_frac", "mismatch_ess", "mismatch_tokens",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(loss="grpo"),
+        dict(loss="dapo"),
+        dict(loss="gspo"),
+        dict(loss="cispo"),
+        dict(is_correction="tis"),
+        dict(is_correction="mask_seq"),
+        dict(is_correction="mask_geo"),
+        dict(loss="gspo", is_correction="icepop"),
+    ],
+)
+def test_each_loss_and_correction_runs_a_step_and_mismatch_is_zero(model_dir, kw):
+    trainer = Trainer(model_dir, _config(**kw))
+    groups = sample_groups(trainer.model, 0)
+    m = trainer.step(groups)
+    assert m["updated"] == 1 and np.isfinite(m["loss"]) and m["grad_norm"] > 0
+    # sampler logprobs came from the same weights: every mismatch metric is ~0 and nothing is masked
+    assert all(k in m for k in MISMATCH_KEYS)
+    assert m["mismatch_kl_k3"] == m["mismatch_kl"] < 1e-6 and abs(m["mismatch_kl_k1"]) < 1e-5
+    assert m["mismatch_abs_dlogp_max"] < 1e-4 and m["mismatch_ratio_out_frac"] == 0.0
+    assert m["mismatch_ess"] == pytest.approx(1.0, abs=1e-6) and m["is_masked_frac"] == 0.0
+    pairs = m["mismatch_pairs"]
+    assert 0 < len(pairs) <= m["mismatch_tokens"]
+    assert np.allclose(pairs, np.asarray(pairs)[:, ::-1], atol=1e-4)  # p_sampler ~ p_trainer
+
+
+def test_mismatch_metrics_and_icepop_on_perturbed_sampler_logprobs(model_dir):
+    groups = sample_groups(Trainer(model_dir, _config()).model, 0)
+    seg = groups[0].trajectories[0].segments[0]
+    seg.sampler_logprobs[seg.loss_mask > 0] += 1.0  # 2 tokens: p_trainer / p_sampler = e^-1 ~ 0.37 < 0.5
+    m = Trainer(model_dir, _config(is_correction="icepop")).step(groups)
+    # icepop forwards every trajectory (48 sampled tokens) and masks the 2 perturbed ones
+    assert m["mismatch_tokens"] == 48 and m["trained_tokens"] == 48
+    assert m["mismatch_ratio_out_frac"] == pytest.approx(2 / 48)
+    assert m["is_masked_frac"] == pytest.approx(2 / 48)
+    assert m["mismatch_kl_k1"] == pytest.approx(2 / 48, rel=1e-3)  # mean(log p_sampler - log p_trainer)
+    k3 = math.exp(-1) - 1 - (-1)  # w - 1 - log w with log w = -1
+    assert m["mismatch_kl_k3"] == pytest.approx(2 * k3 / 48, rel=1e-3)
+    assert m["mismatch_abs_dlogp_max"] == pytest.approx(1.0, abs=1e-4)
+    w = np.array([math.exp(-1)] * 2 + [1.0] * 46)
+    assert m["mismatch_ess"] == pytest.approx(w.sum() ** 2 / (48 * (w**2).sum()), rel=1e-4)
+
+
+def test_masking_normalises_like_grpo_when_nothing_is_masked_and_dapo_filters_groups(model_dir):
+    groups = [_fixed_group([1, 1, 1]), _fixed_group([1, 0])]  # 6 zero-advantage tokens + 4 with signal
+    grpo = Trainer(model_dir, _config()).step(groups)
+    # icepop forwards the zero-advantage trajectories too, to count their unmasked tokens: the same gradient
+    ice = Trainer(model_dir, _config(is_correction="icepop")).step(groups)
+    assert ice["is_masked_frac"] == 0.0 and ice["trained_tokens"] == 10 and grpo["trained_tokens"] == 4
+    assert ice["grad_norm"] == pytest.approx(grpo["grad_norm"], rel=1e-5)
+    # DAPO leaves the zero-variance group out of the batch and the denominator: 4 tokens instead of 10
+    dapo = Trainer(model_dir, _config(loss="dapo")).step(groups)
+    assert dapo["zero_adv_groups"] == 1 and dapo["dropped_samples"] == 3 and dapo["sampled_tokens"] == 10
+    assert dapo["grad_norm"] == pytest.approx(grpo["grad_norm"] * 10 / 4, rel=1e-5)

@@ -93,10 +93,11 @@ def solution_files(task: Task, solution: Path) -> dict[str, str]:
 
 def flags(task: Task, files: dict[str, str], reward: Reward) -> dict[str, bool]:
     """What happened, from the submitted files and the reward's components."""
+    from tandem.env.reward import tests_edited
+
     c = reward.components
-    edited = any(files.get(p) != task.workspace.get(p) for p in task.protected)
     return {
-        "tests_edited": edited,
+        "tests_edited": tests_edited(task, files),
         "timed_out": bool(c.get("timed_out")),
         "sandbox_error": bool(c.get("sandbox_error")),
         "parse_error": bool(c.get("parse_error")),

@@ -1,8 +1,11 @@
 """`tandem sandbox run`: run one command in a sandbox holding a private copy of a directory.
 
 Invariants: the command's stdout and stderr are printed on ours and its exit status is ours (124 on timeout,
-128+N when killed by signal N); the directory itself is never modified. Bad input (missing directory, empty
-command, unknown backend, unusable bwrap) prints one ``error:`` line and exits with status 2.
+128+N when killed by signal N); the directory itself is never modified. ``--timeout``, ``--memory`` (MB),
+``--pids`` and ``--max-output`` (bytes per stream, cut with a visible marker) override the ``SandboxConfig``
+defaults; a command killed by SIGKILL or failing with MemoryError gets a note on stderr naming the limits.
+Bad input (missing directory, empty command, unknown backend, unusable bwrap, a limit <= 0) prints one
+``error:`` line naming the flag or value and exits with status 2.
 """
 
 from __future__ import annotations
@@ -48,6 +51,14 @@ def run(
     timeout: Annotated[
         float | None, typer.Option(help="Wall-clock limit in seconds (default: sandbox.timeout_s).")
     ] = None,
+    memory: Annotated[
+        int | None, typer.Option(help="Memory limit in MB (default: sandbox.memory_mb).")
+    ] = None,
+    pids: Annotated[int | None, typer.Option(help="Most processes (default: sandbox.pids).")] = None,
+    max_output: Annotated[
+        int | None,
+        typer.Option("--max-output", help="Bytes kept per stream; the rest is cut with a visible marker."),
+    ] = None,
 ) -> None:
     """Run CMD with cwd = a private copy of --workspace; print its output and exit with its status.
 
@@ -68,6 +79,15 @@ def run(
         if not timeout > 0:
             _fail(f"--timeout must be > 0 seconds, got {timeout}")
         config.timeout_s = timeout
+    for flag, value, name in (
+        ("--memory", memory, "memory_mb"),
+        ("--pids", pids, "pids"),
+        ("--max-output", max_output, "max_output_bytes"),
+    ):
+        if value is not None:
+            if value <= 0:
+                _fail(f"{flag} must be a positive integer, got {value}")
+            setattr(config, name, value)
     try:
         with create_sandbox(workspace, config) as sb:
             result = sb.exec(list(cmd))
@@ -77,5 +97,10 @@ def run(
     sys.stdout.write(result.stdout)
     sys.stdout.flush()
     sys.stderr.write(result.stderr)
+    if not result.timed_out and (result.exit_code == 128 + 9 or "MemoryError" in result.stderr):
+        sys.stderr.write(
+            f"[tandem sandbox: command was stopped, out of memory or processes "
+            f"(limits: {config.memory_mb} MB, {config.pids} processes)]\n"
+        )
     sys.stderr.flush()
     raise typer.Exit(result.exit_code)

@@ -68,6 +68,9 @@ class RewardConfig(Section):
     """Reward = fraction of hidden tests passed, or 1 only when all pass."""
     tool_error_penalty: float = 0.0
     """Subtracted per malformed tool call (logged as a component either way)."""
+    test_edit_penalty: float = Field(default=0.0, ge=0.0)
+    """Subtracted when the agent's final workspace changes a protected file (the visible tests) or adds a file
+    named like a hidden test (flagged as `tests_edited` either way); never takes the reward below 0."""
 
 
 class EngineConfig(Section):
@@ -122,8 +125,27 @@ class TrainConfig(Section):
     mini_batches: int = 1
     """Optimizer updates per epoch: the step's groups are split into this many mini-batches (whole groups,
     round-robin), each normalised over its own sampled tokens. Must not exceed ``groups_per_step``."""
+    loss: Literal["grpo", "dapo", "gspo", "cispo"] = "grpo"
+    """Policy objective (``tandem.train.loss``): `grpo` (PPO-clipped, token-level), `dapo` (clip-higher and
+    dynamic sampling: groups whose rewards all agree leave the batch), `gspo` (sequence-level ratio and
+    clip), `cispo` (REINFORCE with a clipped stop-gradient importance weight)."""
     clip_eps: float = 0.2
     """PPO clip range for the ratio against the recomputed old logprobs."""
+    clip_eps_low: float | None = None
+    """Clip below: ratio >= 1 - clip_eps_low. Unset: the loss's paper value (gspo 3e-4, cispo 1.0 = no lower
+    bound), else ``clip_eps``."""
+    clip_eps_high: float | None = None
+    """Clip above: ratio <= 1 + clip_eps_high. Unset: the loss's paper value (dapo 0.28, gspo 4e-4), else
+    ``clip_eps``."""
+    is_correction: Literal["none", "tis", "mask_seq", "mask_geo", "icepop"] = "none"
+    """Off-policy correction against the sampler's logprobs, with w = p_old_trainer / p_sampler per token:
+    `tis` multiplies each token's loss by min(w, is_clip); `mask_seq` / `mask_geo` drop sequences whose
+    product / geometric-mean w is outside icepop_band; `icepop` drops tokens whose w is outside it. Masked
+    tokens leave the loss denominator."""
+    is_clip: float = 2.0
+    """Cap C of the truncated importance weight (`tis`)."""
+    icepop_band: tuple[float, float] = (0.5, 5.0)
+    """Inclusive band [low, high] of the ratio kept by `mask_seq`, `mask_geo` and `icepop`."""
     kl_coef: float = 0.0
     """Coefficient of the k3 KL penalty to the initial policy; 0 disables it and skips that forward pass."""
     threads: int = 1
@@ -246,6 +268,13 @@ class RunConfig(Section):
                 f"train.mini_batches ({self.train.mini_batches}) must be <= train.groups_per_step "
                 f"({self.train.groups_per_step}): a mini-batch holds whole groups"
             )
+        t = self.train
+        for name in ("clip_eps", "clip_eps_low", "clip_eps_high", "is_clip"):
+            value = getattr(t, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"train.{name} must be > 0, got {value}")
+        if not 0 < t.icepop_band[0] < t.icepop_band[1]:
+            raise ValueError(f"train.icepop_band must satisfy 0 < low < high, got {list(t.icepop_band)}")
         if self.rollout.temperature <= 0:
             raise ValueError("rollout.temperature must be > 0 (greedy decoding is not a policy to train)")
         return self

@@ -189,7 +189,11 @@ class Reward:
 
 @dataclass
 class Trajectory:
-    """All segments of one session, its reward, flags, timings and tool-call statistics."""
+    """All segments of one session, its reward, flags, timings and tool-call statistics.
+
+    ``diff`` is the agent's full change to the task's workspace: a unified diff of its final files against
+    ``task.workspace`` ("" when unchanged, and in records written before the field existed).
+    """
 
     task_id: str
     segments: list[Segment]
@@ -198,6 +202,7 @@ class Trajectory:
     timings: dict[str, float] = field(default_factory=dict)
     tool_stats: dict[str, int] = field(default_factory=dict)
     messages: list[Message] = field(default_factory=list)
+    diff: str = ""
 
     def oldest_version(self) -> int | None:
         vs = [v for s in self.segments if (v := s.oldest_version()) is not None]
@@ -216,6 +221,7 @@ class Trajectory:
             "timings": dict(self.timings),
             "tool_stats": dict(self.tool_stats),
             "messages": [m.to_dict() for m in self.messages],
+            "diff": self.diff,
         }
 
     @classmethod
@@ -228,6 +234,7 @@ class Trajectory:
             dict(d.get("timings", {})),
             dict(d.get("tool_stats", {})),
             [Message.from_dict(m) for m in d.get("messages", [])],
+            str(d.get("diff") or ""),
         )
 
 

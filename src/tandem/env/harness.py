@@ -8,6 +8,8 @@ Invariants:
 - A malformed tool call, a missing tool call, a failing tool or an engine error never raises: it becomes an
   error observation (or ends the session) and a counted statistic. The sandbox is always closed.
 - Scoring happens in a fresh sandbox on a snapshot of the agent's workspace (see ``tandem.env.reward``).
+- The trajectory carries the agent's full diff against ``task.workspace`` (``Trajectory.diff``) and
+  ``flags["tests_edited"]`` (a protected file changed or a file named like a hidden test added).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ async def run_session(
     tools: list[dict[str, Any]] | None = None,
 ) -> Trajectory:
     """Run one session of ``task`` against ``generate`` and score it; never raises for agent behaviour."""
-    from tandem.env.reward import score
+    from tandem.env.reward import score, tests_edited, workspace_diff
     from tandem.env.tasks import TOOLS
     from tandem.env.tools import execute_tool
     from tandem.sandbox import create_sandbox
@@ -46,7 +48,13 @@ async def run_session(
     limits = task.limits
     started = time.monotonic()
     stats = {"turns": 0, "tool_calls": 0, "tool_errors": 0, "malformed_calls": 0, "no_tool_call": 0}
-    flags = {"submitted": False, "truncated": False, "engine_error": False, "sandbox_error": False}
+    flags = {
+        "submitted": False,
+        "truncated": False,
+        "engine_error": False,
+        "sandbox_error": False,
+        "tests_edited": False,
+    }
     timings = {"generate_s": 0.0, "tools_s": 0.0, "score_s": 0.0}
     messages: list[Message] = list(task.prompt)
     builder = SegmentBuilder()
@@ -134,6 +142,7 @@ async def run_session(
             flags["truncated"],
         )
     timings["score_s"] = time.monotonic() - t0
+    flags["tests_edited"] = tests_edited(task, files)
     timings["total_s"] = time.monotonic() - started
     return Trajectory(
         task_id=task.id,
@@ -143,4 +152,5 @@ async def run_session(
         timings=timings,
         tool_stats=stats,
         messages=messages,
+        diff=workspace_diff(task.workspace, files),
     )

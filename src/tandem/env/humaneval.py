@@ -17,7 +17,9 @@ Invariants:
   a proxy that sends each call's arguments to the child and reads back the value as a Python literal
   (``ast.literal_eval``; inf and nan allowed). The child's own stdout is the protocol channel (the solution's
   prints go to stderr), so nothing the solution prints or however it exits can make the grader report a
-  pass: a forged RESULT line is either followed by the grader's own, or comes with the grader's exit 1.
+  pass: a forged RESULT line is either followed by the grader's own, or comes with the grader's exit 1. The
+  grader makes itself non-dumpable (the solution cannot open its stdout or memory through /proc) and deletes
+  its own file before starting the child (the solution cannot read the check).
 - Problems whose check needs a non-literal argument or return value cannot be graded this way; the canonical
   solution of every one of the 164 problems passes (checked when this module was written).
 """
@@ -71,7 +73,16 @@ for line in sys.stdin:
 )
 
 GRADER = """
-import subprocess, sys
+import os, subprocess, sys
+try:
+    import ctypes
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE=0: other processes cannot open our fds or memory
+except Exception:
+    pass
+try:
+    os.unlink(os.path.abspath(__file__))  # the check exists only in this process from here on
+except OSError:
+    pass
 class CandidateError(Exception):
     pass
 child = subprocess.Popen(

@@ -10,16 +10,26 @@ Invariants:
   Unparseable output, a timeout or a sandbox failure scores 0.
 - ``score`` never raises because of what the agent wrote; every outcome is a ``Reward`` whose components
   say what happened (tests_passed, tests_total, pass_fraction, exit_code, timed_out, parse_error,
-  sandbox_error, tool_errors, truncated, tool_error_penalty).
-- Known limit: tests run in the same process as the agent's code, so code crafted to print a forged RESULT
-  line and exit 0 could fool the parser; the expected-total check makes that a deliberate act, not an
-  accident.
+  sandbox_error, tool_errors, truncated, tool_error_penalty, tests_edited, test_edit_penalty).
+- Test edits: ``tests_edited`` is 1.0 when the agent's final files change, add or delete a protected file
+  (the visible tests) or hold a file whose name is a hidden test's (in any directory). Grading ignores such
+  edits either way (protected files are restored, hidden tests written last); then
+  ``RewardConfig.test_edit_penalty`` is subtracted, but never takes the reward below 0 (the component
+  ``test_edit_penalty`` records the amount applied).
+- The RESULT line is the hidden-test runner's alone: built-in tasks and HumanEval run the agent's code in a
+  child process whose stdout is a private channel to the runner (the agent's prints go to stderr); the
+  runner makes itself non-dumpable (no other process can open its stdout or memory) and deletes its own file
+  before the child starts. A forged RESULT line, an early exit or a flood of output cannot produce a pass.
+- Known limit: a task whose test command runs the agent's code in its own process (none of the built-in
+  sources) is only protected by the expected-total and exit-status cross-checks.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 import re
+from pathlib import PurePosixPath
 from typing import Any
 
 from tandem.core.config import RewardConfig, SandboxConfig
@@ -39,6 +49,34 @@ def scoring_files(task: Task, files: dict[str, str]) -> dict[str, str]:
             out.pop(p, None)
     out.update(task.hidden_tests)
     return out
+
+
+def tests_edited(task: Task, files: dict[str, str]) -> bool:
+    """Whether ``files`` change a protected file of ``task`` or hold a file named like a hidden test."""
+    if any(files.get(p) != task.workspace.get(p) for p in task.protected):
+        return True
+    hidden = {PurePosixPath(p).name for p in task.hidden_tests}
+    return any(isinstance(p, str) and PurePosixPath(p).name in hidden for p in files)
+
+
+def workspace_diff(before: dict[str, str], after: dict[str, str]) -> str:
+    """Unified diff of ``after`` vs ``before`` (``a/``, ``b/`` paths; ``/dev/null``: added or deleted)."""
+    out: list[str] = []
+    for path in sorted(set(before) | set(after)):
+        old, new = before.get(path), after.get(path)
+        if old == new:
+            continue
+        out.extend(
+            difflib.unified_diff(
+                (old or "").splitlines(keepends=True),
+                (new or "").splitlines(keepends=True),
+                "/dev/null" if old is None else f"a/{path}",
+                "/dev/null" if new is None else f"b/{path}",
+            )
+        )
+        if out and not out[-1].endswith("\n"):
+            out[-1] += "\n\\ No newline at end of file\n"
+    return "".join(out)
 
 
 def parse_result(stdout: str) -> tuple[int, int] | None:
@@ -72,6 +110,8 @@ def score(
         "tool_errors": float(tool_errors),
         "truncated": float(bool(truncated)),
         "tool_error_penalty": config.tool_error_penalty * tool_errors,
+        "tests_edited": float(tests_edited(task, files)),
+        "test_edit_penalty": 0.0,
     }
     result: Any = None
     try:
@@ -99,4 +139,8 @@ def score(
             comps["all_passed"] = float(all_ok)
     comps.setdefault("all_passed", 0.0)
     base = comps["pass_fraction"] if config.kind == "fraction" else comps["all_passed"]
-    return Reward(base - comps["tool_error_penalty"], comps)
+    value = base - comps["tool_error_penalty"]
+    if comps["tests_edited"]:
+        comps["test_edit_penalty"] = min(config.test_edit_penalty, max(value, 0.0))
+        value -= comps["test_edit_penalty"]
+    return Reward(value, comps)

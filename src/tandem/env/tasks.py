@@ -17,7 +17,12 @@ Invariants:
   templates that happen to be correct for an instance's parameters are dropped at generation time).
 - Test files print ``PASS <call>`` / ``FAIL <call>: <detail>`` per test and a last line
   ``RESULT passed=P total=N``; they exit 0 only when all pass; an import failure of solution.py fails all.
-  They import nothing but ``sys`` and ``solution`` so workspace files cannot shadow what the runner uses.
+  Visible tests import nothing but ``sys`` and ``solution`` so workspace files cannot shadow what they use.
+- The hidden tests (``python3 -I -S _hidden_test.py``: no workspace import can shadow the grader's) print the
+  same lines, but the solution runs in a child process: the grader sends each call, the child evaluates it
+  and replies with the value's repr on a private pipe (its own prints go to stderr), the grader compares
+  (``ast.literal_eval``; same type and value). Before starting the child the grader makes itself
+  non-dumpable and deletes its own file, so the RESULT line and the expected values are the grader's alone.
 - Everything is short: a whole expert session fits in about 1400 characters (a 1024-token context).
 """
 
@@ -91,6 +96,91 @@ sys.exit(0 if p == len(C) else 1)
 """
 
 
+# The hidden-test grader: the same checks and output as RUNNER, but the solution runs in a child process.
+# Its stdout (the one the reward parses) is written by this process alone; see the module invariants.
+HIDDEN_RUNNER = """import ast, os, subprocess
+try:
+    import ctypes
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE=0: other processes cannot open our fds or memory
+except Exception:
+    pass
+here = os.path.dirname(os.path.abspath(__file__))
+try:
+    os.unlink(os.path.abspath(__file__))  # from here on the expected values exist only in this process
+except OSError:
+    pass
+CHILD = '''import os, sys
+channel = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+def send(tag, text):
+    channel.write(tag + text.replace(chr(10), " ") + chr(10))
+    channel.flush()
+try:
+    import solution
+    ns = vars(solution)
+    send("K", "")
+except BaseException as e:
+    send("E", f"{type(e).__name__}: {e}")
+    sys.exit(1)
+PLAIN = (int, float, complex, str, bytes, bool, type(None), list, tuple, dict, set, frozenset)
+for line in sys.stdin:
+    try:
+        g = eval(line, ns)
+        send("R" if type(g) in PLAIN else "T", repr(g))
+    except BaseException as e:
+        send("X", f"{type(e).__name__}: {e}")
+'''
+class Names(ast.NodeTransformer):
+    def visit_Name(self, node):
+        if node.id in ("inf", "nan"):
+            return ast.copy_location(ast.Constant(float(node.id)), node)
+        if node.id in ("set", "frozenset"):
+            return node
+        raise ValueError("not a literal: " + node.id)
+def decode(text):
+    return ast.literal_eval(Names().visit(ast.parse(text.strip(), mode="eval")))
+def receive():
+    line = child.stdout.readline()
+    if not line:
+        raise EOFError("the solution process ended")
+    return line[0], line[1:].rstrip(chr(10))
+child = subprocess.Popen(
+    [sys.executable, "-S", "-c", CHILD], cwd=here, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+)
+p = 0
+try:
+    tag, err = receive()
+    err = None if tag == "K" else err
+except BaseException as e:
+    err = f"{type(e).__name__}: {e}"
+if err:
+    print(f"FAIL import solution: {err}"[:160])
+for c, w in C:
+    if err:
+        break
+    try:
+        child.stdin.write(c + chr(10))
+        child.stdin.flush()
+        tag, d = receive()
+        ok = False
+        if tag == "R":
+            g = decode(d)
+            ok = type(g) is type(w) and g == w
+            d = f"got {g!r}, want {w!r}"
+        elif tag == "T":
+            d = f"got {d}, want {w!r}"
+    except BaseException as e:
+        ok, d = False, f"{type(e).__name__}: {e}"
+    p += ok
+    print(f"PASS {c}" if ok else f"FAIL {c}: {d}"[:160])
+child.kill()
+print(f"RESULT passed={p} total={len(C)}")
+sys.stdout.flush()
+sys.exit(0 if p == len(C) else 1)
+"""
+
+
 def _function_source(name: str, args: str, body: str, doc: str | None = None) -> str:
     lines = [f"def {name}({args}):"]
     if doc is not None:
@@ -124,10 +214,15 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def test_file(cases: list[tuple[str, Any]]) -> str:
+def test_file(cases: list[tuple[str, Any]], runner: str = RUNNER) -> str:
     """The source of a test file over ``(call, expected)`` pairs (the runner of the module docstring)."""
     rows = "".join(f"    ({c!r}, {w!r}),\n" for c, w in cases)
-    return f"import sys\n\nC = [\n{rows}]\n{RUNNER}"
+    return f"import sys\n\nC = [\n{rows}]\n{runner}"
+
+
+def hidden_test_file(cases: list[tuple[str, Any]]) -> str:
+    """The hidden-test grader over ``(call, expected)`` pairs (out-of-process; see module invariants)."""
+    return test_file(cases, HIDDEN_RUNNER)
 
 
 FUNCTION_NAME = "solve"
@@ -219,9 +314,11 @@ def generate_task(split: str, index: int, seed: int, level: int, limits: TaskLim
             ),
         },
         hidden_tests={
-            HIDDEN_TEST_FILE: test_file([(_call(name, a), w) for a, w in zip(hidden, want_hid, strict=True)])
+            HIDDEN_TEST_FILE: hidden_test_file(
+                [(_call(name, a), w) for a, w in zip(hidden, want_hid, strict=True)]
+            )
         },
-        test_command=["python3", "-S", HIDDEN_TEST_FILE],
+        test_command=["python3", "-I", "-S", HIDDEN_TEST_FILE],
         visible_test_command=["python3", "-S", VISIBLE_TEST_FILE],
         protected=[VISIBLE_TEST_FILE],
         limits=limits or default_limits(),
@@ -305,6 +402,8 @@ def run_test_file_inprocess(test_source: str, solution_source: str) -> tuple[str
     b = dict(vars(builtins), print=_print, __import__=_import)
     try:
         g = {"__builtins__": b, "__name__": "__main__"}
+        if test_source.endswith(HIDDEN_RUNNER):  # the grader's checks and output are RUNNER's
+            test_source = test_source[: -len(HIDDEN_RUNNER)] + RUNNER
         if test_source.endswith(RUNNER):
             # Same statements in the same namespace as the whole file; the runner part compiles once.
             exec(compile(test_source[: -len(RUNNER)], VISIBLE_TEST_FILE, "exec"), g)

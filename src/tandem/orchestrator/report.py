@@ -1,5 +1,6 @@
-"""End-of-run report: ``report.md`` with PNG plots of reward, held-out pass@1, throughput, busy fractions and
-staleness, plus ``summary.json``.
+"""End-of-run report: ``report.md`` with PNG plots of reward, held-out pass@1, throughput, busy fractions,
+staleness and sampler-vs-trainer mismatch (curves over steps, and a scatter of token probabilities from the
+last steps), plus ``summary.json``.
 
 Invariant: every number in the report is read from what the run wrote (metrics rows, eval JSON); nothing is
 computed from assumptions.
@@ -53,6 +54,32 @@ def _bar(path: Path, title: str, labels: list[str], values: list[float], ylabel:
     plt.close(fig)
 
 
+def _scatter(path: Path, pairs: list[list[float]]) -> None:
+    """Sampler vs trainer probability of sampled tokens, on linear and log axes, with the diagonal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ps = [p[0] for p in pairs]
+    pt = [p[1] for p in pairs]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.8))
+    for ax, log in zip(axes, (False, True), strict=True):
+        ax.scatter(ps, pt, s=3, alpha=0.35, linewidths=0)
+        lo = max(min(min(ps), min(pt)), 1e-12) if log else 0.0
+        ax.plot([lo, 1.0], [lo, 1.0], color="#a33", lw=0.8)
+        if log:
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+        ax.set_xlabel("sampler probability")
+        ax.set_ylabel("trainer probability")
+        ax.set_title(f"{len(pairs)} sampled tokens" + (" (log)" if log else ""))
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
     """Write plots, ``summary.json`` and ``report.md`` into ``run_dir``; returns the report path."""
     rows = result.history
@@ -95,6 +122,18 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
             "groups",
         )
         plots.append(("Staleness histogram (versions behind the trainer)", "staleness.png"))
+        mis = {k: f"train/mismatch_{k}" for k in ("kl_k1", "kl_k3", "ratio_out_frac", "abs_dlogp_mean")}
+        if all(v in rows[0] for v in mis.values()):
+            _plot(
+                run_dir / "mismatch_curves.png",
+                "sampler vs trainer mismatch",
+                {k: (steps, [r[v] for r in rows]) for k, v in mis.items()},
+                "per sampled token",
+            )
+            plots.append(("Sampler vs trainer mismatch", "mismatch_curves.png"))
+    if result.mismatch_pairs:
+        _scatter(run_dir / "mismatch.png", result.mismatch_pairs)
+        plots.append(("Sampler vs trainer token probability (last steps)", "mismatch.png"))
     if result.eval_before and result.eval_after:
         _bar(
             run_dir / "heldout.png",
@@ -136,6 +175,15 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
             f"- training reward: first fifth {avg(first, 'reward_mean'):.3f} -> "
             f"last fifth {avg(last, 'reward_mean'):.3f}"
         )
+        if "train/mismatch_kl_k3" in rows[-1]:
+            lines.append(
+                f"- sampler vs trainer mismatch, last fifth: KL k3 {avg(last, 'train/mismatch_kl_k3'):.3g}, "
+                f"k1 {avg(last, 'train/mismatch_kl_k1'):.3g}, max |dlogp| "
+                f"{max(r['train/mismatch_abs_dlogp_max'] for r in last):.3g}, ratio outside [0.5, 2] "
+                f"{avg(last, 'train/mismatch_ratio_out_frac'):.3g}, "
+                f"IS ESS {avg(last, 'train/mismatch_ess'):.4f}"
+                + ("" if result.mismatch_pairs else " (no token was trained in the last steps: no scatter)")
+            )
     if result.eval_before and result.eval_after:
         b, a = result.eval_before["pass@1"], result.eval_after["pass@1"]
         lines.append(

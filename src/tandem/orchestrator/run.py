@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,9 @@ from tandem.core.errors import TandemError
 from tandem.orchestrator.actors import BufferActor, EngineActor, RolloutActor, TrainerActor
 from tandem.orchestrator.metrics import MetricsLogger, ProgressLine
 from tandem.orchestrator.weightpath import WeightPath
+
+MISMATCH_STEPS = 3
+"""Steps whose (p_sampler, p_trainer) pairs the run keeps for the report (at most 2000 pairs each)."""
 
 
 @dataclass
@@ -43,6 +47,9 @@ class RunResult:
     eval_before: dict[str, Any] | None = None
     eval_after: dict[str, Any] | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
+    mismatch_pairs: list[list[float]] = field(default_factory=list)
+    """[p_sampler, p_trainer] token pairs of the last ``MISMATCH_STEPS`` steps (subsampled by the trainer),
+    for the report's scatter plot; not in ``metrics.jsonl``."""
 
     @property
     def samples_per_s(self) -> float:
@@ -130,6 +137,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
 
     hist: dict[str, int] = {}
     history: list[dict[str, Any]] = []
+    recent_pairs: deque[list[list[float]]] = deque(maxlen=MISMATCH_STEPS)
     samples_total, trainer_busy_s = 0, 0.0
     engine_busy0 = _engine_busy(engines)
     start = time.monotonic()
@@ -145,6 +153,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
                 buffer.grant.remote(b)
             t_train = time.monotonic()
             metrics = ray.get(trainer.step.remote(groups))
+            recent_pairs.append(metrics.pop("mismatch_pairs", []))  # not a metric: kept for the report only
             sync_metrics = weights.after_step(trainer, engines, step + 1, wait=o.mode == "sync")
             train_s = time.monotonic() - t_train
             version = step = step + 1
@@ -205,6 +214,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
         eval_before=eval_before,
         eval_after=eval_after,
         history=history,
+        mismatch_pairs=[p for pairs in recent_pairs for p in pairs],
     )
     _teardown([*workers, *engines, trainer, buffer, *weights.actors()])
     from tandem.orchestrator.report import write_report
@@ -263,6 +273,7 @@ def _step_row(step, version, groups, metrics, info, samples, samples_total, elap
         "malformed_calls": int(sum(t.tool_stats.get("malformed_calls", 0) for t in trajs)),
         "truncated_frac": float(np.mean([t.flags.get("truncated", False) for t in trajs])),
         "submitted_frac": float(np.mean([t.flags.get("submitted", False) for t in trajs])),
+        "tests_edited_frac": float(np.mean([t.flags.get("tests_edited", False) for t in trajs])),
         "sampled_tokens": int(sum(t.num_sampled for t in trajs)),
     }
     for k, v in metrics.items():

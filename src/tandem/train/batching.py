@@ -12,6 +12,8 @@ Invariants:
 - Per-token arrays are aligned with ``input_ids``: position ``i`` of ``loss_mask``/``sampler_logprobs``/
   ``advantages`` describes token ``i``. Token ``i`` with ``loss_mask == 1`` was sampled by the policy, so its
   logprob comes from the logits at position ``i - 1`` of the same sequence.
+- A token with ``loss_mask == 1`` but a NaN sampler logprob was not sampled (e.g. injected by a harness): its
+  loss_mask is set to 0.
 - The first token of every sequence has nothing to condition on inside its sequence: its logprob is 0 and its
   loss_mask is forced to 0 (a segment never starts with a sampled token in practice).
 - Packing is deterministic: same inputs, same micro-batches (first-fit decreasing, ties in input order).
@@ -92,6 +94,7 @@ def pack(sequences: list[SequenceInput], micro_batch_tokens: int) -> list[MicroB
             seg = sequences[k].segment
             n = len(seg)
             m = seg.loss_mask.astype(np.float32).copy()
+            m[~np.isfinite(seg.sampler_logprobs)] = 0.0  # no sampler logprob: not sampled, never trained
             m[0] = 0.0
             ids.append(seg.token_ids.astype(np.int64))
             pos.append(np.arange(n, dtype=np.int64))

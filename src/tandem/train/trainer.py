@@ -1,4 +1,7 @@
-"""The GRPO trainer: groups in, one optimizer step, weights out through one publish seam.
+"""The policy-gradient trainer: groups in, one optimizer step, weights out through one publish seam.
+
+The objective is ``train.loss`` (GRPO, DAPO, GSPO or CISPO, see ``tandem.train.loss``), optionally with an
+off-policy correction against the sampler's logprobs (``train.is_correction``).
 
 Invariants:
 - Master weights and optimizer state are float32 (AdamW with ``TrainConfig`` lr/betas/weight_decay). The model
@@ -14,7 +17,20 @@ Invariants:
 - Loss normalisation is token-level over the update: the denominator is the number of sampled tokens of all
   trajectories of all (non-empty) groups of the mini-batch (the whole step when ``mini_batches == 1``).
   Trajectories with zero advantage are dropped before the forward only when ``kl_coef == 0`` (then their
-  gradient is exactly zero), so dropping is a pure compute saving and never changes the update.
+  gradient is exactly zero) and no masking correction is on, so dropping is a pure compute saving and never
+  changes the update. With a masking correction (``mask_seq``, ``mask_geo``, ``icepop``) every trajectory is
+  forwarded and the denominator is the number of *unmasked* sampled tokens of the update (masked tokens count
+  as never sampled); ``is_masked_frac`` reports the share removed. With ``loss = "dapo"`` zero-variance groups
+  (all rewards equal) are left out of the batch and of the denominator (DAPO's dynamic sampling, without
+  refilling the batch). A token with ``loss_mask == 1`` but no (finite) sampler logprob is never trained.
+- Mismatch metrics, every step, over the sampled tokens that were forwarded, from the trainer's old
+  (pre-update) logprobs and the sampler's: ``mismatch_kl_k1`` (mean of log p_sampler - log p_trainer, an
+  unbiased estimate of KL(sampler || trainer) that can be negative), ``mismatch_kl_k3`` (= ``mismatch_kl``,
+  mean of w - 1 - log w with w = p_trainer / p_sampler, >= 0), ``mismatch_abs_dlogp_mean``/``_max``,
+  ``mismatch_ratio_out_frac`` (w outside ``MISMATCH_BAND``), ``mismatch_ess`` ((sum w)^2 / (n sum w^2), in
+  (0, 1]; 1 when nothing was measured) and ``mismatch_tokens``; ``mismatch_pairs`` holds a deterministic,
+  evenly spaced subsample of ``[p_sampler, p_trainer]`` pairs for the report (not a number: the run loop
+  keeps it out of ``metrics.jsonl``).
 - ``publish_state`` is the one seam through which weights leave the trainer: a dict of fresh numpy arrays
   (never views of live parameters) by HF state-dict name; tied weights appear once.
 - Same checkpoint + same groups => bitwise the same next weights (model, optimizer, version, RNG restored).
@@ -42,11 +58,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tandem.core.config import TrainConfig
 from tandem.core.errors import ModelLoadError
-from tandem.core.records import Group
+from tandem.core.records import Group, Segment
 from tandem.train.advantages import group_advantages, is_zero_variance
 from tandem.train.batching import LogprobOutput, MicroBatch, SequenceInput, pack, token_logprobs
 from tandem.train.checkpoint import atomic_dir, read_state, write_state
-from tandem.train.loss import grpo_loss
+from tandem.train.loss import LOSS_FUNCTIONS, Correction, clip_range
 
 log = logging.getLogger(__name__)
 
@@ -84,13 +100,49 @@ def _split_mini_batches(
     return out
 
 
-def _sampled_count(seg_mask: np.ndarray) -> int:
-    """Sampled tokens that can be trained on (a segment's first token has no context; see batching)."""
-    return int(seg_mask[1:].sum()) if len(seg_mask) > 1 else 0
+def _sampled_count(seg: Segment) -> int:
+    """Sampled tokens that can be trained on: loss_mask 1 and a sampler logprob (a token without one was not
+    sampled), except a segment's first token (no context; see batching)."""
+    if len(seg) <= 1:
+        return 0
+    return int(((seg.loss_mask[1:] > 0) & np.isfinite(seg.sampler_logprobs[1:])).sum())
+
+
+MISMATCH_BAND = (0.5, 2.0)
+"""Tokens whose ratio p_trainer / p_sampler falls outside this band count in ``mismatch_ratio_out_frac``."""
+MISMATCH_PAIRS = 2000
+"""Most (p_sampler, p_trainer) pairs a step returns for the report's scatter plot."""
+
+
+def _new_acc() -> dict[str, Any]:
+    return {"ent": 0.0, "mis": 0.0, "mis_n": 0, "k1": 0.0, "abs": 0.0, "abs_max": 0.0, "out": 0, "w": 0.0,
+            "w2": 0.0, "pairs": []}  # fmt: skip
+
+
+def _mismatch_metrics(acc: dict[str, Any]) -> dict[str, Any]:
+    """Sampler-vs-trainer mismatch over the sampled tokens seen by ``Trainer._observe`` (see ``Trainer``)."""
+    n = acc["mis_n"]
+    pairs: list[list[float]] = []
+    if acc["pairs"]:
+        allp = torch.cat(acc["pairs"]).numpy()
+        idx = np.linspace(0, len(allp) - 1, min(len(allp), MISMATCH_PAIRS)).round().astype(np.int64)
+        idx = np.unique(idx)
+        pairs = allp[idx].tolist()
+    return {
+        "mismatch_kl": acc["mis"] / max(n, 1),
+        "mismatch_kl_k1": acc["k1"] / max(n, 1),
+        "mismatch_kl_k3": acc["mis"] / max(n, 1),
+        "mismatch_abs_dlogp_mean": acc["abs"] / max(n, 1),
+        "mismatch_abs_dlogp_max": acc["abs_max"],
+        "mismatch_ratio_out_frac": acc["out"] / max(n, 1),
+        "mismatch_ess": acc["w"] ** 2 / (n * acc["w2"]) if n and acc["w2"] > 0 else 1.0,
+        "mismatch_tokens": n,
+        "mismatch_pairs": pairs,
+    }
 
 
 class Trainer:
-    """GRPO trainer over a local HF causal LM (see module invariants).
+    """Policy-gradient trainer over a local HF causal LM (see module invariants).
 
     ``publish_dtype`` is "float32" (arrays are float32) or "bfloat16" (numpy has no bfloat16: arrays are
     ``uint16`` holding the bfloat16 bit patterns; ``torch.from_numpy(a).view(torch.bfloat16)`` recovers them).
@@ -114,29 +166,43 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay
         )
+        self.loss_fn = LOSS_FUNCTIONS[config.loss]
+        self.clip_low, self.clip_high = clip_range(
+            config.loss, config.clip_eps, config.clip_eps_low, config.clip_eps_high
+        )
+        self.correction = Correction(config.is_correction, config.is_clip, tuple(config.icepop_band))
         self.version = 0
         self._publish_names, self.tied_names = self._plan_publish()
 
     # ------------------------------------------------------------------ training
-    def step(self, groups: list[Group]) -> dict[str, float]:
+    def step(self, groups: list[Group]) -> dict[str, Any]:
         """One training step on these groups (``epochs * mini_batches`` optimizer updates); returns metrics
-        (see the class invariants for edge cases)."""
+        (see the class invariants for edge cases). Every value is a number except ``mismatch_pairs``, a
+        deterministic subsample (at most ``MISMATCH_PAIRS``) of ``[p_sampler, p_trainer]`` token pairs."""
         if not groups:
             raise ValueError("Trainer.step got an empty list of groups; pass at least one Group")
         t0 = time.perf_counter()
         cfg = self.config
-        drop_zero = cfg.kl_coef == 0.0
+        # Dropping zero-advantage trajectories is free only when their tokens can change nothing else: no KL
+        # term, and no masking correction (whose denominator needs each trajectory's unmasked token count).
+        drop_zero = cfg.kl_coef == 0.0 and not self.correction.masks
         chunks: list[tuple[list[SequenceInput], int]] = []  # per non-empty group: its sequences, sampled
         rewards: list[float] = []
         total_sampled = samples = zero_groups = skipped_groups = dropped = 0
         for gi, g in enumerate(groups):
             r = g.rewards()
             rewards.extend(r.tolist())
-            counts = [sum(_sampled_count(s.loss_mask) for s in t.segments) for t in g.trajectories]
+            counts = [sum(_sampled_count(s) for s in t.segments) for t in g.trajectories]
             if sum(counts) == 0:
                 skipped_groups += 1
                 continue
-            zero_groups += int(is_zero_variance(r))
+            zero_var = is_zero_variance(r)
+            zero_groups += int(zero_var)
+            if zero_var and cfg.loss == "dapo":  # DAPO dynamic sampling: out of the batch and the denominator
+                samples += len(counts)
+                total_sampled += sum(counts)
+                dropped += len(counts)
+                continue
             adv = group_advantages(r)
             group_seqs: list[SequenceInput] = []
             for ti, t in enumerate(g.trajectories):
@@ -146,17 +212,18 @@ class Trainer:
                     dropped += 1
                     continue
                 for seg in t.segments:
-                    if _sampled_count(seg.loss_mask):
+                    if _sampled_count(seg):
                         group_seqs.append(SequenceInput(seg, float(adv[ti]), gi, ti))
             chunks.append((group_seqs, sum(counts)))
         rw = np.asarray(rewards, np.float64)
-        metrics: dict[str, float] = {
+        metrics: dict[str, Any] = {
             "loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "ratio_mean": 1.0, "approx_kl": 0.0,
             "entropy": 0.0, "mismatch_kl": 0.0, "tokens": 0, "sampled_tokens": total_sampled,
             "trained_tokens": 0, "samples": samples, "dropped_samples": dropped, "groups": len(groups),
             "zero_adv_groups": zero_groups, "skipped_groups": skipped_groups, "micro_batches": 0,
             "reward_mean": float(rw.mean()) if rw.size else 0.0,
             "reward_std": float(rw.std()) if rw.size else 0.0, "updated": 0, "updates": 0,
+            **_mismatch_metrics(_new_acc()), "is_masked_frac": 0.0,
         }  # fmt: skip
         mini = _split_mini_batches(chunks, cfg.mini_batches)
         if mini:
@@ -166,12 +233,12 @@ class Trainer:
         metrics["step_time_s"] = time.perf_counter() - t0
         return metrics
 
-    def _update(self, mini: list[tuple[list[SequenceInput], int]], metrics: dict[str, float]) -> None:
+    def _update(self, mini: list[tuple[list[SequenceInput], int]], metrics: dict[str, Any]) -> None:
         """``epochs`` passes over the mini-batches, one optimizer update per mini-batch."""
         cfg = self.config
         packed = [(pack(seqs, cfg.micro_batch_tokens), n) for seqs, n in mini]
         single = cfg.epochs == 1 and len(packed) == 1
-        acc = {"ent": 0.0, "mis": 0.0, "mis_n": 0}
+        acc = _new_acc()
         olds: list[list[torch.Tensor]] = []
         if not single:
             # Old logprobs under the weights before the first update, from a no-grad pass.
@@ -179,11 +246,18 @@ class Trainer:
                 for mbs, _ in packed:
                     olds.append([self._observe(token_logprobs(self.model, mb, True), mb, acc) for mb in mbs])
         weighted = {"clip_frac": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0, "kl_ref": 0.0}
-        w_tokens = loss_sum = norm_sum = 0.0
+        if self.correction.kind == "tis":
+            weighted.update(is_weight_mean=0.0, is_clipped_frac=0.0)
+        masks = self.correction.masks
+        w_tokens = loss_sum = norm_sum = masked = 0.0
         updates = 0
         for _ in range(cfg.epochs):
             for k, (mbs, n) in enumerate(packed):
                 self.optimizer.zero_grad(set_to_none=True)
+                # A masking correction makes the denominator the update's unmasked tokens, known only once
+                # every micro-batch was seen: sum the losses, then divide the gradient (tandem.train.loss).
+                denom = 1.0 if masks else n
+                kept = update_loss = 0.0
                 for j, mb in enumerate(mbs):
                     out = token_logprobs(self.model, mb, with_entropy=single)
                     lp = out.logprobs
@@ -194,15 +268,28 @@ class Trainer:
                     if self.ref_model is not None:
                         with torch.no_grad():
                             ref = token_logprobs(self.ref_model, mb).logprobs
-                    loss, m = grpo_loss(
-                        lp, old, mb.advantages, mb.loss_mask, cfg.clip_eps,
-                        ref_logprobs=ref, kl_coef=cfg.kl_coef, num_tokens=n,
+                    loss, m = self.loss_fn(
+                        lp, old, mb.advantages, mb.loss_mask, self.clip_low, ref_logprobs=ref,
+                        kl_coef=cfg.kl_coef, num_tokens=denom, clip_eps_high=self.clip_high,
+                        sampler_logprobs=mb.sampler_logprobs, seq_index=mb.seq_index,
+                        correction=self.correction,
                     )  # fmt: skip
                     loss.backward()
-                    loss_sum += float(loss.detach())
+                    update_loss += float(loss.detach())
+                    kept += m["tokens"]
+                    masked += m.get("masked_tokens", 0.0)
                     w_tokens += m["tokens"]
                     for key in weighted:
                         weighted[key] += m.get(key, 0.0) * m["tokens"]
+                if masks:
+                    if kept == 0:  # every token of the update was masked: nothing to learn from
+                        self.optimizer.zero_grad(set_to_none=True)
+                        continue
+                    for p in self.params:
+                        if p.grad is not None:
+                            p.grad.div_(kept)
+                    update_loss /= kept
+                loss_sum += update_loss
                 norm_sum += self._optimizer_step(metrics)
                 updates += 1
         if self.ref_model is None:
@@ -210,20 +297,21 @@ class Trainer:
         trained = sum(mb.num_sampled for mbs, _ in packed for mb in mbs)
         n = max(trained, 1)
         metrics.update({k: v / max(w_tokens, 1.0) for k, v in weighted.items()})
+        metrics.update(_mismatch_metrics(acc))
         metrics.update(
-            loss=loss_sum / updates,
-            grad_norm=norm_sum / updates,
+            loss=loss_sum / max(updates, 1),
+            grad_norm=norm_sum / max(updates, 1),
             tokens=sum(mb.num_tokens for mbs, _ in packed for mb in mbs),
             trained_tokens=trained,
             micro_batches=sum(len(mbs) for mbs, _ in packed),
             entropy=acc["ent"] / n,
-            mismatch_kl=acc["mis"] / max(acc["mis_n"], 1),
             updates=updates,
+            is_masked_frac=masked / max(masked + w_tokens, 1.0),
         )
 
     @staticmethod
-    def _observe(out: LogprobOutput, mb: MicroBatch, acc: dict[str, float]) -> torch.Tensor:
-        """Accumulate entropy and trainer-vs-sampler mismatch (k3) of a forward; return detached logprobs."""
+    def _observe(out: LogprobOutput, mb: MicroBatch, acc: dict[str, Any]) -> torch.Tensor:
+        """Accumulate entropy and trainer-vs-sampler mismatch of a forward; return detached logprobs."""
         old = out.logprobs.detach()
         if out.entropy is not None:
             acc["ent"] += float((out.entropy.detach() * mb.loss_mask).sum())
@@ -231,6 +319,16 @@ class Trainer:
         log_ratio = old[ok] - mb.sampler_logprobs[ok]  # log p_trainer - log p_sampler
         acc["mis"] += float((torch.expm1(log_ratio) - log_ratio).sum())
         acc["mis_n"] += int(ok.sum())
+        lr64 = log_ratio.double()
+        w = torch.exp(lr64)  # importance weight p_trainer / p_sampler
+        acc["k1"] -= float(lr64.sum())
+        acc["abs"] += float(lr64.abs().sum())
+        if lr64.numel():
+            acc["abs_max"] = max(acc["abs_max"], float(lr64.abs().max()))
+        acc["out"] += int(((w < MISMATCH_BAND[0]) | (w > MISMATCH_BAND[1])).sum())
+        acc["w"] += float(w.sum())
+        acc["w2"] += float((w * w).sum())
+        acc["pairs"].append(torch.stack([mb.sampler_logprobs[ok].double().exp(), old[ok].double().exp()], 1))
         return old
 
     def _optimizer_step(self, metrics: dict[str, float]) -> float:

@@ -1,0 +1,74 @@
+"""`tandem sandbox run` limits (src/tandem/cli/sandbox.py): --memory, --pids, --max-output; real bwrap."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tandem.cli.sandbox import app
+from tandem.sandbox import bwrap_available
+
+runner = CliRunner()
+needs_bwrap = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap is not usable on this machine")
+
+
+@needs_bwrap
+def test_memory_bomb_is_killed_and_reported(tmp_path: Path) -> None:
+    (tmp_path / "bomb.py").write_text("a = []\nwhile True:\n    a.append(bytearray(1 << 20))\n")
+    args = [
+        "run",
+        "--workspace",
+        str(tmp_path),
+        "--memory",
+        "64",
+        "--timeout",
+        "20",
+        "--",
+        "python3",
+        "bomb.py",
+    ]
+    r = runner.invoke(app, args)
+    assert r.exit_code != 0 and r.exit_code != 124
+    assert "out of memory or processes (limits: 64 MB" in r.stderr
+
+
+@needs_bwrap
+def test_max_output_truncates_with_marker(tmp_path: Path) -> None:
+    r = runner.invoke(
+        app,
+        [
+            "run",
+            "--workspace",
+            str(tmp_path),
+            "--max-output",
+            "100",
+            "--",
+            "python3",
+            "-c",
+            "print('x' * 5000)",
+        ],
+    )
+    assert r.exit_code == 0
+    assert r.stdout.startswith("x" * 100 + "\n[... output truncated at 100 bytes ...]")
+    assert r.stdout.count("x") == 100
+
+
+@needs_bwrap
+def test_pids_limit_applies(tmp_path: Path) -> None:
+    script = (
+        "import os\nn = 0\ntry:\n    for _ in range(50):\n        if os.fork() == 0:\n"
+        "            os.pause()\n        n += 1\nexcept OSError:\n    pass\nprint(n)\n"
+    )
+    (tmp_path / "fork.py").write_text(script)
+    r = runner.invoke(app, ["run", "--workspace", str(tmp_path), "--pids", "8", "--", "python3", "fork.py"])
+    assert r.exit_code == 0 and int(r.stdout) < 8
+
+
+@pytest.mark.parametrize(
+    "flag,value", [("--memory", "0"), ("--pids", "-1"), ("--max-output", "0"), ("--memory", "lots")]
+)
+def test_bad_limits_exit_2_naming_the_flag(tmp_path: Path, flag: str, value: str) -> None:
+    r = runner.invoke(app, ["run", "--workspace", str(tmp_path), flag, value, "--", "true"])
+    assert r.exit_code == 2 and flag in r.stderr
