@@ -31,6 +31,15 @@ def test_overrides_parse_toml_values(tmp_path):
         ("train.micro_batch_tokens=0", "train.micro_batch_tokens must be > 0"),
         ("engine.max_batch=-3", "engine.max_batch must be > 0"),
         ("tasks.levels=[4]", "tasks.levels"),
+        ("weights.transport=carrier_pigeon", "weights.transport"),
+        ("weights.relays=-1", "weights.relays"),
+        ("weights.snapshot_every=0", "weights.snapshot_every must be > 0"),
+        ("weights.connections=0", "weights.connections must be > 0"),
+        ("train.epochs=0", "train.epochs must be > 0"),
+        ("train.mini_batches=9", "train.mini_batches"),
+        ("train.loss=ppo2", "train.loss"),
+        ("train.is_correction=magic", "train.is_correction"),
+        ("tasks.source=mbpp", "tasks.source"),
     ],
 )
 def test_invalid_config_names_the_field(override, needle):

@@ -18,7 +18,7 @@ Measured, in order:
    ``full_reload_ms`` is the largest engine pause of that reload.
 4. ``bound_s`` = compressed bytes of one delta / link bandwidth (relays fetch in parallel, one link each).
 5. ``tokens_per_s_during_sync_ratio``: engine 0 decodes a steady load throughout; its tokens/s while delta
-   syncs are in flight divided by its tokens/s in a quiet window of the same length before them.
+   syncs are in flight divided by its tokens/s in a quiet window of the same length right after them.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import numpy as np
 import ray
 
 from tandem.core.config import EngineConfig
+from tandem.orchestrator.actors import RelayActor
 
 
 @ray.remote(num_cpus=0)
@@ -86,19 +87,6 @@ class _BenchEngine:
         self.engine.stop()
 
 
-@ray.remote(num_cpus=0)
-class _BenchRelay:
-    def __init__(self, upstream: list[str], cache_dir: str, bandwidth_mbps: float) -> None:
-        from tandem.weights import Relay
-        from tandem.weights.ratelimit import mbps_to_bytes_per_s
-
-        limit = mbps_to_bytes_per_s(bandwidth_mbps) if bandwidth_mbps > 0 else None
-        self.relay = Relay(upstream, cache_dir, upstream_bandwidth_bytes_per_s=limit)
-
-    def url(self) -> str:
-        return self.relay.url
-
-
 def _versions(model_path: str, deltas: int, lr: float, warmup: int) -> list[dict[str, np.ndarray]]:
     from tandem.bench.codec import tandem_train_versions
 
@@ -133,7 +121,7 @@ def run_sync_bench(
         relay_sets = []
         for server in servers:
             rs = [
-                _BenchRelay.remote([server.url], str(root / f"cache-{len(relay_sets)}-{i}"), bandwidth_mbps)
+                RelayActor.remote([server.url], str(root / f"cache-{len(relay_sets)}-{i}"), bandwidth_mbps)
                 for i in range(relays)
             ]
             actors += rs
@@ -146,7 +134,6 @@ def run_sync_bench(
 
         ray.get(eng[0].start_load.remote())
         time.sleep(1.0)  # the load reaches a steady state
-        quiet0 = ray.get(eng[0].tokens.remote())
         delta_times, pauses, delta_bytes, busy = [], [], [], 0.0
         tokens_during = 0
         for v in range(1, deltas + 1):
@@ -165,7 +152,6 @@ def run_sync_bench(
         time.sleep(max(busy, 1.0))
         q1 = ray.get(eng[0].tokens.remote())
         ray.get(eng[0].stop_load.remote())
-        del quiet0
         quiet_rate = (q1[1] - q0[1]) / max(q1[0] - q0[0], 1e-9)
         during_rate = tokens_during / max(busy, 1e-9)
 
