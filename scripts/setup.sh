@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Set up a fresh machine: bubblewrap from apt, a virtual environment in .venv, tandem and its dependencies.
+# Set up a fresh machine: bubblewrap, util-linux, python3 and git from apt, a virtual environment in .venv, tandem and its dependencies.
 # Idempotent: a second run only checks. Needs Python 3.11 and (for apt) root or sudo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v bwrap >/dev/null 2>&1; then
+# bubblewrap: the sandbox; setpriv (util-linux): sandboxed commands drop to an unprivileged uid; python3: the
+# sandbox's interpreter when the host Python lives in a private directory; git: repository tasks.
+if ! command -v bwrap >/dev/null 2>&1 || ! command -v setpriv >/dev/null 2>&1 \
+   || [ ! -x /usr/bin/python3 ] || ! command -v git >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -q
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q bubblewrap
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q bubblewrap util-linux python3 git
 fi
 
 PY="${PYTHON:-python3.11}"

@@ -14,6 +14,7 @@ import pytest
 from tandem.core.config import SandboxConfig
 from tandem.core.errors import SandboxError
 from tandem.sandbox import Sandbox, bwrap_available, create_sandbox
+from tandem.sandbox.bwrap import sandbox_python
 
 from .conftest import procs_with, wait_no_procs
 
@@ -35,15 +36,16 @@ def test_exit_status_stdout_stderr(sb: Sandbox) -> None:
 
 
 def test_cwd_python_and_environment(sb: Sandbox) -> None:
+    prefix = sandbox_python(sb.owner)  # the host's base prefix, or None: the system's /usr/bin/python3
     r = sb.exec(
         ["python3", "-c", "import os, sys, solution; print(os.getcwd(), sys.base_prefix, solution.f())"]
     )
-    assert r.stdout.split() == ["/workspace", sys.base_prefix, "1"], r.stderr
+    assert r.stdout.split() == ["/workspace", sys.base_prefix if prefix else "/usr", "1"], r.stderr
     assert sb.exec(["python", "-c", "print(2)"]).stdout == "2\n"
     env = dict(line.split("=", 1) for line in sb.exec(["env"]).stdout.splitlines())
     env.pop("PWD", None)
     assert env == {
-        "PATH": f"{os.path.realpath(sys.base_prefix)}/bin:/usr/local/bin:/usr/bin:/bin",
+        "PATH": f"{prefix or '/tandem'}/bin:/usr/local/bin:/usr/bin:/bin",
         "HOME": "/workspace",
         "LANG": "C.UTF-8",
         "PYTHONDONTWRITEBYTECODE": "1",

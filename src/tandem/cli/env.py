@@ -1,13 +1,14 @@
 """`tandem env list` and `tandem env try`: the task sources, and grading a given solution exactly as RL would.
 
 Invariants:
-- ``env try`` grades through ``tandem.env.reward.score`` with the default ``RewardConfig`` and
-  ``SandboxConfig`` (a fresh sandbox, protected files restored, hidden tests added, exit code cross-checked),
+- ``env try`` grades through ``tandem.env.reward.score`` with the ``reward`` and ``sandbox`` sections of
+  ``--config``/``--set`` (the defaults without them; a composite reward with judge criteria calls the judge as
+  training would), in a fresh sandbox (protected files restored, hidden tests added, exit code cross-checked),
   on the files an agent's final workspace would hold: the task's workspace, with ``solution.py`` replaced by
   a FILE, or overlaid with a DIR's files read the way a sandbox snapshot reads them (regular UTF-8 text files,
   ``__pycache__`` and symlinks skipped).
-- Bad input (unknown task id, missing or unreadable solution path) prints one ``error:`` line naming the
-  value and exits with status 2; no traceback.
+- Bad input (unknown task id, missing or unreadable solution path, an invalid config) prints one ``error:``
+  line naming the value and exits with status 2; no traceback.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from typing import Annotated, Any
 
 import typer
 
-from tandem.core.config import RewardConfig, SandboxConfig
+from tandem.core.config import RewardConfig, SandboxConfig, load_config
+from tandem.core.errors import TandemError
 from tandem.core.records import Reward, Task
+from tandem.sandbox.base import LIMIT_NAMES
 
 app = typer.Typer(
     help="Task sources: list them, grade a solution.", no_args_is_help=True, pretty_exceptions_enable=False
@@ -101,10 +104,17 @@ def flags(task: Task, files: dict[str, str], reward: Reward) -> dict[str, bool]:
         "timed_out": bool(c.get("timed_out")),
         "sandbox_error": bool(c.get("sandbox_error")),
         "parse_error": bool(c.get("parse_error")),
+        "judge_error": bool(c.get("judge_error")),
+        **{f"limit_{name}": bool(c.get(f"limit_{name}")) for name in LIMIT_NAMES},
     }
 
 
-def grade(task_id: str, solution: Path) -> dict[str, Any]:
+def grade(
+    task_id: str,
+    solution: Path,
+    reward_config: RewardConfig | None = None,
+    sandbox_config: SandboxConfig | None = None,
+) -> dict[str, Any]:
     """``{"task", "reward", "components", "flags"}`` for ``solution`` on ``task_id`` (module invariants)."""
     from tandem.env.reward import score
     from tandem.env.tasks import get_task
@@ -115,13 +125,24 @@ def grade(task_id: str, solution: Path) -> dict[str, Any]:
         _fail(str(e))
         raise AssertionError from e  # unreachable: _fail exits
     files = solution_files(task, solution)
-    reward = score(task, files, RewardConfig(), SandboxConfig())
+    reward = score(task, files, reward_config or RewardConfig(), sandbox_config or SandboxConfig())
+    links = _dir_symlinks(solution) if solution.is_dir() else []
     return {
         "task": task.id,
         "reward": reward.value,
         "components": reward.components,
-        "flags": flags(task, files, reward),
+        "flags": {**flags(task, files, reward), "symlinks_ignored": bool(links)},
     }
+
+
+def _dir_symlinks(root: Path) -> list[str]:
+    """Relative paths of the symlinks under ``root`` (never followed: grading sees none of them)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            if Path(dirpath, name).is_symlink():
+                out.append(str(Path(dirpath, name).relative_to(root)))
+    return sorted(out)
 
 
 @app.command("try")
@@ -131,12 +152,23 @@ def try_(
         Path | None, typer.Option(help="A solution.py file, or a directory overlaid on the task's workspace.")
     ] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    config: Annotated[
+        Path | None, typer.Option(help="A run config TOML file: its [reward] and [sandbox] grade.")
+    ] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override a config field: key=value.")
+    ] = None,
 ) -> None:
-    """Grade a solution of TASK_ID exactly as RL would (fresh sandbox, hidden tests, default configs)."""
+    """Grade a solution of TASK_ID exactly as RL would (fresh sandbox, hidden tests, the run's reward)."""
     if solution is None:
         _fail("--solution FILE_OR_DIR is required")
         return
-    out = grade(task_id, solution)
+    try:
+        cfg = load_config(config, set_)
+    except TandemError as e:
+        _fail(str(e))
+        return
+    out = grade(task_id, solution, cfg.reward, cfg.sandbox)
     if json_:
         typer.echo(json.dumps(out))
         return

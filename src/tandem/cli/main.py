@@ -257,6 +257,24 @@ def bench_sync(
     typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
 
 
+@bench_app.command("sandbox")
+def bench_sandbox(
+    n: Annotated[int, typer.Option(help="Sandboxes in the burst.")] = 200,
+    concurrency: Annotated[int, typer.Option(help="Sandboxes (and plain processes) at a time.")] = 4,
+    pool_size: Annotated[int, typer.Option(help="Ready sandboxes the warm pool keeps.")] = 8,
+    big_mb: Annotated[int, typer.Option(help="Size of the large workspace, MiB.")] = 100,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """A burst of sandboxes on copy-on-write clones of a 100 MB workspace vs the same command unsandboxed."""
+    from tandem.bench.sandbox import run_sandbox_bench
+
+    try:
+        out = run_sandbox_bench(n=n, concurrency=concurrency, big_mb=big_mb, pool_size=pool_size)
+    except (ValueError, TandemError) as e:
+        fail(str(e))
+    typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
+
+
 def _mount_subcommands() -> None:
     from tandem.cli import env as env_cli
     from tandem.cli import midtrain as midtrain_cli

@@ -6,11 +6,20 @@ Invariants: unknown keys are rejected; every validation error names the dotted f
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    model_serializer,
+    model_validator,
+)
 
 from tandem.core.errors import ConfigError
 
@@ -29,9 +38,10 @@ class ModelConfig(Section):
 
 
 class TaskConfig(Section):
-    source: Literal["builtin", "humaneval"] = "builtin"
-    """Task source: `builtin` (procedural Python function-writing tasks) or `humaneval` (the 164 HumanEval
-    problems; an evaluation set, so its train and heldout splits are the same problems)."""
+    source: Literal["builtin", "humaneval", "repo"] = "builtin"
+    """Task source: `builtin` (procedural Python function-writing tasks), `humaneval` (the 164 HumanEval
+    problems; an evaluation set, so its train and heldout splits are the same problems) or `repo` (fixed
+    SWE-bench-style repository tasks: fix an issue in a small package; disjoint train and heldout splits)."""
     levels: list[int] = [1, 2, 3]
     """Difficulty levels to draw tasks from (1 easiest; builtin only)."""
     seed: int = 0
@@ -61,16 +71,219 @@ class SandboxConfig(Section):
     """Largest file a command may write, in MiB."""
     max_output_bytes: int = 16384
     """Stdout/stderr kept per command; the rest is cut with a visible marker."""
+    workspace_mode: Literal["auto", "overlay", "copy"] = "auto"
+    """How a sandbox gets its private workspace: `overlay` mounts a kernel overlayfs over a read-only layer
+    shared by every sandbox of the same workspace (copy-on-write; needs root), `copy` copies the files,
+    `auto` uses overlay where it can be mounted and copy elsewhere."""
+    uid: int = Field(default=61000, ge=0)
+    """Unprivileged host uid (and gid) that bwrap-sandboxed commands run as when tandem runs as root; 0 keeps
+    root (not recommended). Without root, commands run as tandem's own uid."""
+
+
+REWARD_TEST_COMPONENTS = ("pass_fraction", "all_passed")
+"""Reward components from the hidden tests that a composite term or gate may name."""
+_NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_NAME_RE = re.compile(r"[a-z][a-z0-9_]*")
+_CRITERION_RE = re.compile(rf"\s*(?:({_NUM})\s*\*\s*)?([a-z][a-z0-9_]*)\s*:\s*(.*\S)\s*", re.DOTALL)
+_GATE_RE = re.compile(rf"\s*(\S+)\s*>=\s*({_NUM})\s*")
+_TERM_RE = re.compile(rf"\s*(?:({_NUM})\s*\*\s*)?(\S+?)(?:\s+if\s+(.*?))?\s*", re.DOTALL)
+
+
+class JudgeCriterion(Section):
+    """One rubric criterion, judged by its own call to the judge endpoint (``tandem.env.judge``).
+
+    TOML: a table ``{name = "style", text = "...", weight = 1.0}`` or the string ``"[WEIGHT *] NAME: TEXT"``;
+    it is written back (``dump_config``) as the string, which reads back to the same criterion.
+    """
+
+    name: str
+    """Identifier (lowercase letters, digits, `_`); the criterion's score is the reward component
+    `judge.<name>`."""
+    text: str
+    """What the judge checks, in plain words (runs of whitespace, newlines included, become one space); sent
+    with the task prompt and the agent's changes."""
+    weight: float = Field(default=1.0, ge=0.0)
+    """Weight of this criterion in the rubric score, the component `judge` (weighted mean of the criteria)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            m = _CRITERION_RE.fullmatch(data)
+            if m is None:
+                raise ValueError(
+                    f"criterion {data!r} is not '[WEIGHT *] NAME: TEXT' (e.g. 'style: Readable code.')"
+                )
+            data = {"name": m[2], "text": m[3], **({"weight": float(m[1])} if m[1] else {})}
+        if isinstance(data, dict) and isinstance(data.get("text"), str):
+            # One line: the compact form must stay a valid TOML basic string when written back.
+            data = {**data, "text": " ".join(data["text"].split())}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> JudgeCriterion:
+        if not _NAME_RE.fullmatch(self.name):
+            raise ValueError(f"criterion name {self.name!r} must be lowercase letters, digits and _")
+        if not self.text.strip():
+            raise ValueError(f"criterion {self.name!r} has an empty text; say what the judge should check")
+        return self
+
+    @model_serializer
+    def _to_string(self) -> str:
+        return f"{self.weight!r} * {self.name}: {self.text}"
+
+
+class RewardGate(Section):
+    """A condition on a reward component: ``component >= threshold``; a table or ``"COMPONENT >= X"``."""
+
+    component: str
+    """The component tested: `pass_fraction`, `all_passed`, `judge` or `judge.<criterion>`."""
+    threshold: float = 1.0
+    """The gate is open when the component is at least this value (`all_passed >= 1`: all tests pass)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, data: Any) -> Any:
+        if not isinstance(data, str):
+            return data
+        m = _GATE_RE.fullmatch(data)
+        if m is None:
+            raise ValueError(f"gate {data!r} is not 'COMPONENT >= THRESHOLD' (e.g. 'all_passed >= 1')")
+        return {"component": m[1], "threshold": float(m[2])}
+
+    @model_serializer
+    def _to_string(self) -> str:
+        return f"{self.component} >= {self.threshold!r}"
+
+
+class RewardTerm(Section):
+    """One weighted part of a composite reward: ``weight * component`` if every gate is open, else 0.
+
+    TOML: a table ``{component = "judge.style", weight = 0.2, gates = ["all_passed >= 1"]}`` or the string
+    ``"WEIGHT * COMPONENT [if GATE [and GATE ...]]"``; written back (``dump_config``) as the string.
+    """
+
+    component: str
+    """The component weighted: `pass_fraction`, `all_passed`, `judge` (the rubric's weighted mean) or
+    `judge.<criterion>`."""
+    weight: float = Field(default=1.0, ge=0.0)
+    """Non-negative weight of the component in the reward."""
+    gates: list[RewardGate] = []
+    """All must be open for the term to count; a closed gate zeros the term without calling the judge."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, data: Any) -> Any:
+        if not isinstance(data, str):
+            return data
+        m = _TERM_RE.fullmatch(data)
+        if m is None or (m[3] is not None and not m[3].strip()):
+            raise ValueError(
+                f"term {data!r} is not 'WEIGHT * COMPONENT [if GATE [and GATE ...]]' "
+                "(e.g. '0.2 * judge.style if all_passed >= 1')"
+            )
+        out: dict[str, Any] = {"component": m[2]}
+        if m[1]:
+            out["weight"] = float(m[1])
+        if m[3] is not None:
+            out["gates"] = re.split(r"\s+and\s+", m[3].strip())
+        return out
+
+    @model_serializer
+    def _to_string(self) -> str:
+        gates = " and ".join(f"{g.component} >= {g.threshold!r}" for g in self.gates)
+        return f"{self.weight!r} * {self.component}" + (f" if {gates}" if gates else "")
 
 
 class RewardConfig(Section):
     kind: Literal["fraction", "all_or_nothing"] = "all_or_nothing"
-    """Reward = fraction of hidden tests passed, or 1 only when all pass."""
+    """Reward = fraction of hidden tests passed, or 1 only when all pass (when `terms` is empty)."""
     tool_error_penalty: float = 0.0
     """Subtracted per malformed tool call (logged as a component either way)."""
     test_edit_penalty: float = Field(default=0.0, ge=0.0)
     """Subtracted when the agent's final workspace changes a protected file (the visible tests) or adds a file
     named like a hidden test (flagged as `tests_edited` either way); never takes the reward below 0."""
+    terms: list[RewardTerm] = []
+    """Composite reward: the sum of these weighted, gated components replaces `kind` (penalties still apply).
+    Empty: the reward is the hidden tests alone, as set by `kind`. Each term's part is the component
+    `term.<component>`, their sum `composite`."""
+    criteria: list[JudgeCriterion] = []
+    """LLM-as-judge rubric: each criterion is scored in [0, 1] by a separate call to `judge_url`; every
+    criterion must appear in a term or gate (as `judge.<name>`, or all of them as `judge`)."""
+    judge_url: str = ""
+    """Base URL of an OpenAI-compatible API (`POST {judge_url}/chat/completions`), e.g.
+    `http://127.0.0.1:8000/v1`; required when `criteria` are set."""
+    judge_model: str = ""
+    """Model name sent to the judge endpoint; required when `criteria` are set."""
+    judge_api_key_env: str = ""
+    """Name of an environment variable holding the judge's API key (sent as `Authorization: Bearer`), read
+    where scoring runs. Preferred over `judge_api_key`; empty: no key, unless `judge_api_key` is set."""
+    judge_api_key: str = ""
+    """The judge's API key itself (prefer `judge_api_key_env`); never written out: the run's config.toml and
+    checkpoints record it as empty."""
+    judge_timeout_s: float = Field(default=30.0, gt=0.0)
+    """Time limit of one judge request (connect, and the whole answer) in seconds."""
+    judge_retries: int = Field(default=2, ge=0)
+    """Retries of a judge request after a connection error, a timeout or an HTTP 408/429/5xx status."""
+    judge_backoff_s: float = Field(default=0.5, ge=0.0)
+    """Wait before the first retry; doubled before each further one."""
+    judge_concurrency: int = Field(default=4, ge=1)
+    """Criteria judged at once (one request each) for one scored session."""
+    judge_max_tokens: int = Field(default=512, ge=1)
+    """`max_tokens` of each judge answer (room for reasoning before the score)."""
+    judge_max_chars: int = Field(default=12000, ge=1000)
+    """Most characters of the agent's diff and changed files shown to the judge (cut with a marker)."""
+
+    @field_serializer("judge_api_key")
+    def _hide_key(self, key: str) -> str:
+        return ""
+
+    def criteria_for(self, component: str) -> list[str]:
+        """Names of the criteria whose scores ``component`` needs (``judge``: all of them)."""
+        if component == "judge":
+            return [c.name for c in self.criteria]
+        return [component[6:]] if component.startswith("judge.") else []
+
+    @model_validator(mode="after")
+    def _check(self) -> RewardConfig:
+        names = [c.name for c in self.criteria]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"reward.criteria: names must be unique, {dupes} repeat")
+        known = [*REWARD_TEST_COMPONENTS, *(["judge"] if names else []), *(f"judge.{n}" for n in names)]
+        used: set[str] = set()
+        for i, t in enumerate(self.terms):
+            for where, comp in [(f"terms[{i}].component", t.component)] + [
+                (f"terms[{i}].gates[{j}].component", g.component) for j, g in enumerate(t.gates)
+            ]:
+                if comp not in known:
+                    raise ValueError(f"reward.{where}: unknown component {comp!r}; choose one of {known}")
+                used.update(self.criteria_for(comp))
+        comps = [t.component for t in self.terms]
+        if len(set(comps)) != len(comps):
+            raise ValueError(f"reward.terms: each component may have one term, got {comps}")
+        if self.terms and sum(t.weight for t in self.terms) <= 0:
+            raise ValueError("reward.terms: the weights sum to 0; give at least one term a weight > 0")
+        unused = [n for n in names if n not in used]
+        if unused:
+            raise ValueError(
+                f"reward.criteria {unused} appear in no reward.terms entry or gate (as 'judge.<name>' or "
+                "'judge'); add a term for them (weight 0 logs the score only) or remove them"
+            )
+        if "judge" in comps + [g.component for t in self.terms for g in t.gates]:
+            if sum(c.weight for c in self.criteria) <= 0:
+                raise ValueError("reward.criteria: the weights sum to 0 but the rubric score `judge` is used")
+        if names:
+            if not re.fullmatch(r"https?://\S+", self.judge_url):
+                raise ValueError(
+                    "reward.judge_url must be an http(s) URL of an OpenAI-compatible API when "
+                    f"reward.criteria are set (e.g. 'http://127.0.0.1:8000/v1'), got {self.judge_url!r}"
+                )
+            if not self.judge_model.strip():
+                raise ValueError("reward.judge_model must be set when reward.criteria are set")
+        if self.judge_api_key and self.judge_api_key_env:
+            raise ValueError("set one of reward.judge_api_key and reward.judge_api_key_env, not both")
+        return self
 
 
 class EngineConfig(Section):

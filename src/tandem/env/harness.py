@@ -6,7 +6,9 @@ Invariants:
   Nothing is ever re-tokenized.
 - ``loss_mask`` is 1 only on sampled tokens; observations and prompts carry NaN logprobs and version -1.
 - A malformed tool call, a missing tool call, a failing tool or an engine error never raises: it becomes an
-  error observation (or ends the session) and a counted statistic. The sandbox is always closed.
+  error observation (or ends the session) and a counted statistic. The sandbox is always closed (its
+  teardown runs on the sandbox reaper). It is created while the engine writes the first turn, so its
+  start latency is hidden; a sandbox that cannot start ends the session at the first tool call.
 - Scoring happens in a fresh sandbox on a snapshot of the agent's workspace (see ``tandem.env.reward``).
 - The trajectory carries the agent's full diff against ``task.workspace`` (``Trajectory.diff``) and
   ``flags["tests_edited"]`` (a protected file changed or a file named like a hidden test added).
@@ -54,6 +56,8 @@ async def run_session(
         "engine_error": False,
         "sandbox_error": False,
         "tests_edited": False,
+        "limit_violation": False,
+        "symlinks_ignored": False,
     }
     timings = {"generate_s": 0.0, "tools_s": 0.0, "score_s": 0.0}
     messages: list[Message] = list(task.prompt)
@@ -61,15 +65,26 @@ async def run_session(
     builder.add_context(chat.render_prompt(task.prompt, tools))
     files: dict[str, str] = dict(task.workspace)
 
-    try:
-        sandbox = await asyncio.to_thread(create_sandbox, task.workspace, sandbox_config)
-    except Exception as e:  # noqa: BLE001 - a sandbox failure ends this session, not the run
-        flags["sandbox_error"] = True
-        messages.append(Message("tool", f"sandbox error: {e}"))
-        sandbox = None
+    # The sandbox starts while the engine writes the first turn: its start latency is hidden.
+    starting: asyncio.Future[Any] | None = asyncio.ensure_future(
+        asyncio.to_thread(create_sandbox, task.workspace, sandbox_config)
+    )
+    sandbox = None
+
+    async def ready() -> bool:
+        """Wait for the sandbox once; False (and the sandbox_error flag) when it could not start."""
+        nonlocal starting, sandbox
+        if starting is not None:
+            fut, starting = starting, None
+            try:
+                sandbox = await fut
+            except Exception as e:  # noqa: BLE001 - a sandbox failure ends this session, not the run
+                flags["sandbox_error"] = True
+                messages.append(Message("tool", f"sandbox error: {e}"))
+        return sandbox is not None
 
     try:
-        while sandbox is not None:
+        while True:
             if stats["turns"] >= limits.max_turns:
                 flags["truncated"] = True
                 break
@@ -103,6 +118,8 @@ async def run_session(
             if not calls and not errors:
                 stats["no_tool_call"] += 1
                 observations.append(Message("tool", NO_TOOL_CALL))
+            if not await ready():
+                break
             t0 = time.monotonic()
             for call in calls:
                 stats["tool_calls"] += 1
@@ -122,11 +139,17 @@ async def run_session(
                 flags["truncated"] = True
                 break
             builder.add_context(continuation)
-        if sandbox is not None:
+        if await ready():
             files = await asyncio.to_thread(sandbox.snapshot)
+            flags["symlinks_ignored"] = bool(sandbox.snapshot_skipped_symlinks)
     finally:
+        if starting is not None:  # cancelled or failed before the sandbox was needed: still close it
+            try:
+                sandbox = await starting
+            except BaseException:  # noqa: BLE001 - it never started; nothing to close
+                sandbox = None
         if sandbox is not None:
-            await asyncio.to_thread(sandbox.close)
+            await asyncio.to_thread(sandbox.close, False)  # teardown goes to the reaper
 
     t0 = time.monotonic()
     if flags["engine_error"] or flags["sandbox_error"]:
@@ -143,6 +166,7 @@ async def run_session(
         )
     timings["score_s"] = time.monotonic() - t0
     flags["tests_edited"] = tests_edited(task, files)
+    flags["limit_violation"] = bool(reward.components.get("limit_violation"))
     timings["total_s"] = time.monotonic() - started
     return Trajectory(
         task_id=task.id,

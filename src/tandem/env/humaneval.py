@@ -88,9 +88,12 @@ class CandidateError(Exception):
 child = subprocess.Popen(
     [sys.executable, "-S", "-c", CHILD, NAME], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
 )
+ended = False
 def receive():
+    global ended
     line = child.stdout.readline()
     if not line:
+        ended = True
         raise CandidateError("the solution process ended")
     return line[0], line[1:]
 def candidate(*args, **kwargs):
@@ -114,11 +117,20 @@ try:
 except BaseException as e:
     print("FAIL check(" + NAME + "): " + repr(type(e).__name__ + ": " + str(e))[:200])
 finally:
+    died = None
+    if ended:  # the solution process closed our channel: learn how it ended (a signal is re-raised below)
+        try:
+            died = child.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
     child.kill()
+    child.wait()
 if ok:
     print("PASS check(" + NAME + ")")
 print("RESULT passed=%d total=1" % ok)
 sys.stdout.flush()
+if died is not None and died < 0:
+    os.kill(os.getpid(), -died)  # the sandbox sees the signal that ended the solution (CPU, file size)
 sys.exit(0 if ok else 1)
 """
 

@@ -20,8 +20,24 @@ Invariants:
   child process whose stdout is a private channel to the runner (the agent's prints go to stderr); the
   runner makes itself non-dumpable (no other process can open its stdout or memory) and deletes its own file
   before the child starts. A forged RESULT line, an early exit or a flood of output cannot produce a pass.
+- Limits: every limit the grading command ran into is a component ``limit_<name>`` = 1 (names in
+  ``tandem.sandbox.base.LIMIT_NAMES``). Hitting the memory, pids, CPU or file-size limit, or leaving a
+  process running, also sets ``limit_violation`` and zeroes ``pass_fraction`` and ``all_passed`` (so a fork
+  bomb, a memory bomb, an endless loop or a daemon never earns test reward, whatever the runner printed).
 - Known limit: a task whose test command runs the agent's code in its own process (none of the built-in
   sources) is only protected by the expected-total and exit-status cross-checks.
+- Composite rewards (``RewardConfig.terms`` non-empty): the base reward is the sum over terms of
+  ``weight * component`` for terms whose gates (``component >= threshold``) are all open, else 0; the
+  penalties above then apply unchanged. With ``terms`` empty (the default) nothing changes: the base is
+  ``pass_fraction`` or ``all_passed`` as ``kind`` says, and no judge is called. Components added: each term's
+  part ``term.<component>``, their sum ``composite``, and with judge criteria ``judge.<name>`` (score in
+  [0, 1]), ``judge.<name>.error`` (1 when its judge call failed, scoring it 0), ``judge`` (the criteria's
+  weighted mean), ``judge_error`` (1 when any call failed), ``judge_calls`` (criteria judged),
+  ``judge_requests`` (HTTP requests, retries included) and ``judge_skipped`` (criteria not judged).
+- The judge (``tandem.env.judge``) is called only for criteria whose score can matter, after the tests:
+  first the criteria named by gates of terms whose test gates are open, then the criteria of terms whose
+  gates are all open. A criterion whose every term is gated shut is not judged and scores 0 (a term of
+  weight 0 still is judged: that is how a score is logged without counting). Judge failures never raise.
 """
 
 from __future__ import annotations
@@ -29,13 +45,20 @@ from __future__ import annotations
 import difflib
 import logging
 import re
+from collections.abc import Callable
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tandem.core.config import RewardConfig, SandboxConfig
+from tandem.core.config import RewardConfig, RewardGate, SandboxConfig
 from tandem.core.records import Reward, Task
 
+if TYPE_CHECKING:
+    from tandem.env.judge import Verdict
+
 log = logging.getLogger(__name__)
+VIOLATIONS = frozenset({"memory", "pids", "cpu", "file_size", "leftover_processes"})
+"""Sandbox limits (``tandem.sandbox.base.LIMIT_NAMES``) whose hit during grading zeroes the test score; a
+timeout already scores 0 and the output cap only cuts what the agent printed."""
 RESULT_RE = re.compile(r"^RESULT passed=(\d+) total=(\d+)\s*$", re.MULTILINE)
 
 
@@ -112,11 +135,15 @@ def score(
         "tool_error_penalty": config.tool_error_penalty * tool_errors,
         "tests_edited": float(tests_edited(task, files)),
         "test_edit_penalty": 0.0,
+        **dict.fromkeys(task.meta.get("result_components", ()), 0.0),
     }
     result: Any = None
     try:
-        with create_sandbox(scoring_files(task, files), sandbox_config) as sandbox:
+        sandbox = create_sandbox(scoring_files(task, files), sandbox_config)
+        try:
             result = sandbox.exec(list(task.test_command))
+        finally:
+            sandbox.close(wait=False)  # every process is dead now; unmount and deletion go to the reaper
     except Exception as e:  # noqa: BLE001 - e.g. an agent file the sandbox refuses; scored as a failure
         log.warning("scoring %s: sandbox failed: %s: %s", task.id, type(e).__name__, e)
         comps["sandbox_error"] = 1.0
@@ -137,10 +164,83 @@ def score(
             comps["tests_passed"], comps["tests_total"] = float(passed), float(total)
             comps["pass_fraction"] = passed / total
             comps["all_passed"] = float(all_ok)
+            if task.meta.get("result_components"):  # counts the task's grader reports, e.g. f2p/p2p
+                from tandem.env.repo_grader import result_components
+
+                comps.update(result_components(task, result.stdout))
+        for name in result.limits:
+            comps[f"limit_{name}"] = 1.0
+        if set(result.limits) & VIOLATIONS:  # graded work must stay within its limits to earn anything
+            comps["limit_violation"] = 1.0
+            comps["pass_fraction"] = comps["all_passed"] = 0.0
     comps.setdefault("all_passed", 0.0)
-    base = comps["pass_fraction"] if config.kind == "fraction" else comps["all_passed"]
+    if config.terms:
+        base = composite(config, comps, lambda names: _judge(task, files, names, config))
+    else:
+        base = comps["pass_fraction"] if config.kind == "fraction" else comps["all_passed"]
     value = base - comps["tool_error_penalty"]
     if comps["tests_edited"]:
         comps["test_edit_penalty"] = min(config.test_edit_penalty, max(value, 0.0))
         value -= comps["test_edit_penalty"]
     return Reward(value, comps)
+
+
+def _judge(task: Task, files: dict[str, str], names: list[str], config: RewardConfig) -> dict[str, Verdict]:
+    from tandem.env.judge import judge_criteria
+
+    changed = {p: c for p, c in files.items() if task.workspace.get(p) != c}
+    return judge_criteria(task, workspace_diff(task.workspace, files), changed, names, config)
+
+
+def composite(
+    config: RewardConfig, comps: dict[str, float], judge: Callable[[list[str]], dict[str, Verdict]]
+) -> float:
+    """The composite base reward of ``config.terms`` over the test components in ``comps``, calling
+    ``judge(criterion names) -> verdicts`` only for criteria whose score can matter (module invariants);
+    adds the term, composite and judge components to ``comps``."""
+    verdicts: dict[str, Verdict] = {}
+
+    def run(names: list[str]) -> None:
+        todo = [n for n in dict.fromkeys(names) if n not in verdicts]
+        if todo:
+            got = judge(todo)
+            verdicts.update({n: got[n] for n in todo if n in got})
+
+    def value(component: str) -> float:
+        if component == "judge":
+            total = sum(c.weight for c in config.criteria)
+            mean = sum(c.weight * value(f"judge.{c.name}") for c in config.criteria) / total if total else 0.0
+            return mean
+        if component.startswith("judge."):
+            v = verdicts.get(component[6:])
+            return v.score if v is not None else 0.0
+        return comps[component]
+
+    def is_open(gate: RewardGate) -> bool:
+        return value(gate.component) >= gate.threshold
+
+    # Test gates first (free), then the judge criteria those gates leave in play, then the terms' own.
+    maybe = [
+        t for t in config.terms if all(is_open(g) for g in t.gates if not config.criteria_for(g.component))
+    ]
+    run([n for t in maybe for g in t.gates for n in config.criteria_for(g.component)])
+    live = [t for t in maybe if all(is_open(g) for g in t.gates)]
+    run([n for t in live for n in config.criteria_for(t.component)])
+
+    total = 0.0
+    for t in config.terms:
+        part = t.weight * value(t.component) if any(t is x for x in live) else 0.0
+        comps[f"term.{t.component}"] = part
+        total += part
+    comps["composite"] = total
+    if config.criteria:
+        for c in config.criteria:
+            v = verdicts.get(c.name)
+            comps[f"judge.{c.name}"] = v.score if v is not None else 0.0
+            comps[f"judge.{c.name}.error"] = float(bool(v is not None and v.error))
+        comps["judge"] = value("judge")
+        comps["judge_error"] = float(any(v.error for v in verdicts.values()))
+        comps["judge_calls"] = float(len(verdicts))
+        comps["judge_requests"] = float(sum(v.attempts for v in verdicts.values()))
+        comps["judge_skipped"] = float(len(config.criteria) - len(verdicts))
+    return total

@@ -6,6 +6,8 @@ Invariants:
   ``task_split(split, seed, levels, n)``, byte for byte.
 - ``humaneval`` ignores seed and levels; both splits are the same 164 problems (see ``tandem.env.humaneval``),
   ``tasks_for`` takes the first ``min(n, 164)`` and ``task_at`` cycles over them.
+- ``repo`` ignores seed and levels; its splits are disjoint fixed lists (see ``tandem.env.repos``),
+  ``tasks_for`` takes the first ``min(n, len(split))`` and ``task_at`` cycles over the split.
 - Every task id returned here rebuilds with ``tandem.env.tasks.get_task``.
 """
 
@@ -15,11 +17,11 @@ from typing import Any
 
 from tandem.core.config import TaskConfig
 from tandem.core.records import Task, TaskLimits
-from tandem.env import humaneval
+from tandem.env import humaneval, repos
 from tandem.env.families import FAMILIES_BY_LEVEL
 from tandem.env.tasks import HELDOUT_FRACTION, generate_task, task_split
 
-SOURCES = ("builtin", "humaneval")
+SOURCES = ("builtin", "humaneval", "repo")
 SPLITS = ("train", "heldout")
 
 
@@ -35,6 +37,8 @@ def tasks_for(config: TaskConfig, split: str, n: int, limits: TaskLimits | None 
     _check(config.source, split)
     if config.source == "humaneval":
         return humaneval.task_list(n, limits)
+    if config.source == "repo":
+        return repos.task_list(split, n, limits)
     return task_split(split, config.seed, config.levels, n, limits)
 
 
@@ -43,6 +47,8 @@ def task_at(config: TaskConfig, split: str, index: int, limits: TaskLimits | Non
     _check(config.source, split)
     if config.source == "humaneval":
         return humaneval.task_at(index, limits)
+    if config.source == "repo":
+        return repos.task_at(split, index, limits)
     levels = config.levels
     return generate_task(split, index, config.seed, levels[index % len(levels)], limits)
 
@@ -64,4 +70,5 @@ def describe() -> dict[str, Any]:
             "splits": {"train": n_he, "heldout": n_he},
             "tasks": n_he,
         },
+        "repo": repos.describe(),
     }

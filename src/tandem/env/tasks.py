@@ -140,9 +140,12 @@ class Names(ast.NodeTransformer):
         raise ValueError("not a literal: " + node.id)
 def decode(text):
     return ast.literal_eval(Names().visit(ast.parse(text.strip(), mode="eval")))
+ended = False
 def receive():
+    global ended
     line = child.stdout.readline()
     if not line:
+        ended = True
         raise EOFError("the solution process ended")
     return line[0], line[1:].rstrip(chr(10))
 child = subprocess.Popen(
@@ -174,9 +177,18 @@ for c, w in C:
         ok, d = False, f"{type(e).__name__}: {e}"
     p += ok
     print(f"PASS {c}" if ok else f"FAIL {c}: {d}"[:160])
+died = None
+if ended:  # the solution process closed our channel: learn how it ended (a signal is re-raised below)
+    try:
+        died = child.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        pass
 child.kill()
+child.wait()
 print(f"RESULT passed={p} total={len(C)}")
 sys.stdout.flush()
+if died is not None and died < 0:
+    os.kill(os.getpid(), -died)  # the sandbox sees the signal that ended the solution (CPU, file size)
 sys.exit(0 if p == len(C) else 1)
 """
 
@@ -350,12 +362,16 @@ def task_split(
 
 
 def get_task(task_id: str, limits: TaskLimits | None = None) -> Task:
-    """Rebuild a task from its id: ``builtin:<split>:s<seed>:l<level>:<index>`` or ``humaneval:HumanEval/<n>``
-    (the latter from ``tandem.env.humaneval``)."""
+    """Rebuild a task from its id: ``builtin:<split>:s<seed>:l<level>:<index>``, ``humaneval:HumanEval/<n>``
+    (from ``tandem.env.humaneval``) or ``repo:<split>:<package>-<bug>`` (from ``tandem.env.repos``)."""
     if task_id.startswith("humaneval:"):
         from tandem.env.humaneval import get_task as humaneval_task
 
         return humaneval_task(task_id, limits)
+    if task_id.startswith("repo:"):
+        from tandem.env.repos import get_task as repo_task
+
+        return repo_task(task_id, limits)
     try:
         src, split, s, lv, idx = task_id.split(":")
         if src != "builtin" or s[0] != "s" or lv[0] != "l":
@@ -363,8 +379,8 @@ def get_task(task_id: str, limits: TaskLimits | None = None) -> Task:
         seed, level, index = int(s[1:]), int(lv[1:]), int(idx)
     except (ValueError, IndexError):
         raise ValueError(
-            f"task id {task_id!r} is not a task id; expected builtin:<split>:s<seed>:l<level>:<index> "
-            "or humaneval:HumanEval/<n>"
+            f"task id {task_id!r} is not a task id; expected builtin:<split>:s<seed>:l<level>:<index>, "
+            "humaneval:HumanEval/<n> or repo:<split>:<package>-<bug>"
         ) from None
     return generate_task(split, index, seed, level, limits)
 

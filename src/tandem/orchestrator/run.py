@@ -274,6 +274,8 @@ def _step_row(step, version, groups, metrics, info, samples, samples_total, elap
         "truncated_frac": float(np.mean([t.flags.get("truncated", False) for t in trajs])),
         "submitted_frac": float(np.mean([t.flags.get("submitted", False) for t in trajs])),
         "tests_edited_frac": float(np.mean([t.flags.get("tests_edited", False) for t in trajs])),
+        "limit_violation_frac": float(np.mean([t.flags.get("limit_violation", False) for t in trajs])),
+        "symlinks_ignored_frac": float(np.mean([t.flags.get("symlinks_ignored", False) for t in trajs])),
         "sampled_tokens": int(sum(t.num_sampled for t in trajs)),
     }
     for k, v in metrics.items():

@@ -1,11 +1,15 @@
 """Isolated command execution for agent tools and reward tests.
 
-``create_sandbox(workspace, config)`` copies the workspace (a dict of files or a directory) into a private
-directory and returns a :class:`Sandbox` whose ``exec`` runs commands there under limits.
+``create_sandbox(workspace, config)`` gives a private view of the workspace (a dict of files, a
+directory, or a :class:`WorkspaceTemplate` of either): a copy-on-write overlay over a shared read-only
+layer where overlays can be mounted (root), else a copy; it returns a :class:`Sandbox` whose ``exec`` runs
+commands there under limits. :class:`SandboxPool` keeps ready sandboxes of one workspace so that start
+latency is hidden.
 
 Invariants:
 - The original workspace is never modified; every sandbox works on its own copy (``Sandbox.workdir``).
-- ``bwrap`` (default): no network, read-only system, only ``/workspace`` (the copy) and a fresh ``/tmp``
+- ``bwrap`` (default): commands run as the unprivileged ``SandboxConfig.uid`` when tandem is root; no
+  network, read-only system, only ``/workspace`` (the copy) and a fresh ``/tmp``
   writable, nothing of the host's home or project directories visible, clean environment, ``python3`` is the
   host's base CPython. ``plain`` is unisolated and exists only as an explicit opt-in that warns.
 - Limits on every command: address space, CPU time, file size and open files (rlimits), and cgroup v1 memory
@@ -16,9 +20,23 @@ Invariants:
 - ``read``/``write`` only touch files inside the workspace; escapes raise ``SandboxError``.
 """
 
-from tandem.sandbox.base import ExecResult, Sandbox
+from tandem.sandbox.base import LIMIT_NAMES, ExecResult, Sandbox
 from tandem.sandbox.bwrap import BwrapSandbox, bwrap_available
 from tandem.sandbox.factory import create_sandbox
+from tandem.sandbox.layers import WorkspaceTemplate
 from tandem.sandbox.plain import PlainSandbox
+from tandem.sandbox.pool import SandboxPool
+from tandem.sandbox.reaper import drain_reaper
 
-__all__ = ["BwrapSandbox", "ExecResult", "PlainSandbox", "Sandbox", "bwrap_available", "create_sandbox"]
+__all__ = [
+    "LIMIT_NAMES",
+    "BwrapSandbox",
+    "ExecResult",
+    "PlainSandbox",
+    "Sandbox",
+    "SandboxPool",
+    "WorkspaceTemplate",
+    "bwrap_available",
+    "create_sandbox",
+    "drain_reaper",
+]

@@ -1,9 +1,14 @@
 """The sandbox base class: private workspace copy, limited command execution, safe file access.
 
 Invariants:
-- ``workdir`` is a fresh private directory; the workspace given at creation is copied into it and never
-  touched again. :meth:`Sandbox.close` (also run by a finalizer and at interpreter exit) kills every process
-  of the sandbox, removes its cgroups and deletes ``workdir``; it is idempotent.
+- ``workdir`` is a fresh private view of the workspace given at creation, which is never touched again:
+  with ``workspace_mode`` overlay, a kernel overlayfs whose lower layer is a read-only copy shared by every
+  sandbox of the same workspace (``tandem.sandbox.layers``) and whose upper layer is private, so creating a
+  sandbox costs the same for 1 MB and 100 MB; with copy, a private copy. :meth:`Sandbox.close` (also run by a
+  finalizer and at interpreter exit) kills every process of the sandbox, removes its cgroups, unmounts the
+  overlay, deletes its private directory and releases the layer; it is idempotent.
+- When the backend runs commands as an unprivileged agent uid (bwrap as root), every file of ``workdir``
+  (and each file :meth:`write` creates) belongs to that uid, so the agent can edit what it was given.
 - :meth:`Sandbox.exec` runs one command at a time per sandbox (a lock serializes exec/read/write/snapshot).
   The command starts in a new session, inside the sandbox's cgroups and under its rlimits (see ``limits``).
   When it exits, whatever it left running is killed; at the timeout the whole tree is killed and the result
@@ -20,18 +25,22 @@ import os
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import threading
 import time
 import weakref
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from tandem.core.config import SandboxConfig
 from tandem.core.errors import SandboxError
 from tandem.core.procs import pid_alive
-from tandem.sandbox.limits import MIB, Cgroup, _host_tag, rlimit_script
+from tandem.sandbox.layers import LayerCache, WorkspaceTemplate, check_relpath, layer_cache
+from tandem.sandbox.limits import MIB, Cgroup, _host_tag, agent_uid, rlimit_script
+from tandem.sandbox.overlay import mount_overlay, mounts_under, overlay_unavailable_reason, unmount
+from tandem.sandbox.reaper import reap_later
 
 TIMEOUT_EXIT = 124
 SNAPSHOT_MAX_BYTES = 16 * MIB
@@ -51,6 +60,47 @@ class ExecResult:
     truncated: bool
     """Output was cut at ``max_output_bytes`` (a visible marker line is appended)."""
     duration_s: float
+    limits: tuple[str, ...] = ()
+    """Limits the command ran into, among ``LIMIT_NAMES`` (see :func:`limits_hit`)."""
+
+
+LIMIT_NAMES = ("timeout", "output", "memory", "pids", "cpu", "file_size", "leftover_processes")
+"""What :attr:`ExecResult.limits` may name: the wall-clock timeout, the output cap, the memory limit (an OOM
+kill in the memory cgroup, or Python's MemoryError under the address-space rlimit), the pids limit (a fork
+refused by the pids cgroup), the CPU-time rlimit (SIGXCPU), the file-size rlimit (SIGXFSZ or EFBIG), and
+processes still running when the command exited (they are killed; detected inside bwrap's pid namespace, or
+in the sandbox's cgroup for the plain backend)."""
+
+
+def limits_hit(
+    code: int,
+    output: str,
+    timed_out: bool,
+    truncated: bool,
+    before: dict[str, int],
+    after: dict[str, int],
+    leftovers: int,
+) -> tuple[str, ...]:
+    """Names of the limits an exec ran into, from its status, its output (stdout and stderr: a grader may
+    report its child's MemoryError on stdout) and the cgroup counters' deltas."""
+
+    def grew(key: str) -> bool:
+        return after.get(key, 0) > before.get(key, 0)
+
+    hit = {
+        "timeout": timed_out,
+        "output": truncated,
+        "memory": grew("oom_kill")
+        or (grew("mem_failcnt") and code == 128 + signal.SIGKILL)
+        or "MemoryError" in output,
+        "pids": grew("pids_max"),
+        "cpu": code == 128 + signal.SIGXCPU,
+        "file_size": code == 128 + signal.SIGXFSZ
+        or "File too large" in output
+        or "File size limit exceeded" in output,
+        "leftover_processes": leftovers > 0,
+    }
+    return tuple(name for name in LIMIT_NAMES if hit[name])
 
 
 def _rmtree(path: Path) -> None:
@@ -79,18 +129,40 @@ def _sweep_tmp() -> None:
         except ValueError:
             continue
         if not pid_alive(pid):
+            for point in mounts_under(p):
+                unmount(point)
             _rmtree(p)
 
 
-def _cleanup(workdir: Path, cgroup: Cgroup) -> None:
+def _cleanup(root: Path, cgroup: Cgroup, layer: list[tuple[LayerCache, str]]) -> None:
     cgroup.remove()
-    _rmtree(workdir)
+    merged = root / "workspace"
+    if layer:
+        try:
+            unmount(merged)
+        except OSError:
+            pass
+    _rmtree(root)
+    while layer:
+        cache, key = layer.pop()
+        cache.release(key)
+
+
+def _chown_tree(root: Path, owner: int) -> None:
+    os.lchown(root, owner, owner)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), owner, owner)
 
 
 class Sandbox:
     """Base class of sandbox backends; subclasses say how a command is wrapped (``_argv``, ``_env``)."""
 
     backend = "base"
+    snapshot_skipped_symlinks: list[str] = []
+    """Relative paths of the symlinks the last :meth:`snapshot` left out."""
+    reports_leftovers = False
+    """True when ``_argv`` wraps the command so that it reports left-over processes on fd 3."""
     workdir: Path
     """Host path of the private writable copy of the workspace."""
 
@@ -100,16 +172,30 @@ class Sandbox:
         self._closed = False
         self._proc: subprocess.Popen[bytes] | None = None
         _sweep_tmp()
-        self.workdir = Path(tempfile.mkdtemp(prefix=f"tandem-sbx-{_host_tag()}-{os.getpid()}-"))
+        self.owner = agent_uid(config)
+        """Host uid (and gid) commands run as and workspace files belong to; None: this process's own."""
+        self._root = Path(tempfile.mkdtemp(prefix=f"tandem-sbx-{_host_tag()}-{os.getpid()}-"))
+        self.workdir = self._root / "workspace"
+        self._layer: list[tuple[LayerCache, str]] = []
         self._cgroup = Cgroup(config.memory_mb, config.pids)
-        self._finalizer = weakref.finalize(self, _cleanup, self.workdir, self._cgroup)
+        self._finalizer = weakref.finalize(self, _cleanup, self._root, self._cgroup, self._layer)
         self._prelude = (
             self._cgroup.join_script()
-            + rlimit_script(config, use_nproc=not self._cgroup.has_pids)
+            + rlimit_script(config, use_nproc=not self._cgroup.has_pids, uid=self.owner)
             + 'exec "$@"\n'
         )
         try:
-            self._populate(workspace)
+            self.mode = self._resolve_mode()
+            """``overlay`` or ``copy``: how ``workdir`` was made (``workspace_mode`` after auto)."""
+            if self.mode == "overlay":
+                self._mount(workspace)
+            else:
+                self.workdir.mkdir(mode=0o755)
+                self._populate(workspace)
+                if self.owner is not None:
+                    _chown_tree(self.workdir, self.owner)
+            if self.owner is not None:
+                os.chown(self._root, self.owner, self.owner)
         except BaseException:
             self.close()
             raise
@@ -125,8 +211,48 @@ class Sandbox:
         return self.workdir
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    def _populate(self, workspace: dict[str, str] | Path) -> None:
-        if isinstance(workspace, dict):
+    def _resolve_mode(self) -> str:
+        mode = self.config.workspace_mode
+        if mode == "copy":
+            return "copy"
+        reason = overlay_unavailable_reason()
+        if reason is None:
+            return "overlay"
+        if mode == "overlay":
+            raise SandboxError(
+                f"sandbox.workspace_mode = 'overlay' but overlays cannot be mounted here: {reason}. "
+                "Run tandem as root, or set sandbox.workspace_mode = 'copy' (or 'auto')"
+            )
+        return "copy"
+
+    def _mount(self, workspace: dict[str, str] | Path | WorkspaceTemplate) -> None:
+        if isinstance(workspace, WorkspaceTemplate):
+            if workspace.owner != self.owner:
+                raise SandboxError(
+                    f"the workspace template belongs to uid {workspace.owner} but this sandbox runs commands "
+                    f"as {self.owner}; make the template with the same sandbox config"
+                )
+            cache, key = workspace.cache, workspace.key
+            lower = cache.retain(key)
+        elif isinstance(workspace, (dict, str, os.PathLike)):
+            cache = layer_cache(self.owner)
+            key, lower = cache.acquire(workspace if isinstance(workspace, dict) else Path(workspace))
+        else:
+            raise SandboxError(
+                f"workspace must be a dict (relative path -> text) or a directory path, got {type(workspace)}"
+            )
+        self._layer.append((cache, key))
+        upper, work = self._root / "upper", self._root / "work"
+        for d in (upper, work, self.workdir):
+            d.mkdir(mode=0o755)
+        if self.owner is not None:
+            os.chown(upper, self.owner, self.owner)
+        mount_overlay(lower, upper, work, self.workdir)
+
+    def _populate(self, workspace: dict[str, str] | Path | WorkspaceTemplate) -> None:
+        if isinstance(workspace, WorkspaceTemplate):
+            shutil.copytree(workspace.path, self.workdir, symlinks=True, dirs_exist_ok=True)
+        elif isinstance(workspace, dict):
             for path, content in workspace.items():
                 self._write(path, content)
         elif isinstance(workspace, (str, os.PathLike)):
@@ -141,14 +267,21 @@ class Sandbox:
                 f"workspace must be a dict (relative path -> text) or a directory path, got {type(workspace)}"
             )
 
-    def close(self) -> None:
-        """Kill every remaining process of the sandbox and delete its workdir and cgroups. Idempotent."""
+    def close(self, wait: bool = True) -> None:
+        """Kill every remaining process of the sandbox and delete its workdir and cgroups. Idempotent.
+
+        With ``wait=False`` the processes are still killed before this returns, but the unmount, deletion
+        and cgroup removal run on the background reaper (``tandem.sandbox.reaper``)."""
         self._closed = True
         proc = self._proc
         if proc is not None:  # an exec running in another thread: kill it so it returns and frees the lock
             self._kill_tree(proc)
         with self._lock:
-            self._finalizer()
+            if wait or not self._finalizer.alive:
+                self._finalizer()
+                return
+            self._cgroup.kill_all()
+            reap_later(self._finalizer)
 
     def __enter__(self) -> Sandbox:
         return self
@@ -174,21 +307,39 @@ class Sandbox:
         with self._lock:
             self._check_open()
             start = time.monotonic()
+            before = self._cgroup.counters()
             argv = ["/bin/sh", "-c", self._prelude, "tandem-sandbox", *self._argv(list(cmd))]
+            status_r, status_w = -1, -1
+            stdin: int = subprocess.PIPE if data is not None else subprocess.DEVNULL
+            if self.reports_leftovers:  # the status channel becomes fd 3 of the command's wrapper
+                status_r, status_w = os.pipe()
+                if data is None:  # it arrives as stdin, which the prelude moves to 3 (dash: fds 0-9 only)
+                    argv[2] = "exec 3>&0 </dev/null\n" + argv[2]
+                    stdin = status_w
+                else:  # stdin is taken: bash moves the pipe's own fd, which may be above 9
+                    move = f'exec 3>&{status_w} {status_w}>&-; exec /bin/sh "$@"'
+                    argv = ["/bin/bash", "-c", move, "tandem-status", *argv[1:]]
             try:
                 proc = subprocess.Popen(
                     argv,
-                    stdin=subprocess.PIPE if data is not None else subprocess.DEVNULL,
+                    stdin=stdin,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     cwd=self._cwd(),
                     env=self._env(),
                     start_new_session=True,
                     close_fds=True,
+                    pass_fds=(status_w,) if status_w >= 0 and data is not None else (),
                 )
             except OSError as e:
+                if status_r >= 0:
+                    os.close(status_r)
                 raise SandboxError(f"could not start {argv[4:]!r}: {e}") from e
+            finally:
+                if status_w >= 0:
+                    os.close(status_w)
             self._proc = proc
+            self._leftovers = 0
             if self._closed:  # close() ran in another thread between our check and the start
                 self._kill_tree(proc)
             try:
@@ -203,14 +354,18 @@ class Sandbox:
                     if f is not None:
                         f.close()
                 self._proc = None
+                if status_r >= 0:
+                    self._leftovers = max(self._leftovers, _read_leftovers(status_r))
             duration = time.monotonic() - start
+            after = self._cgroup.counters()
         code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
         if code < 0:
             code = 128 - code
+        limits = limits_hit(code, out + err, timed_out, truncated, before, after, self._leftovers)
         if timed_out:
             code = TIMEOUT_EXIT
             err += f"\n[tandem sandbox: command timed out after {timeout:g} s; its process tree was killed]\n"
-        return ExecResult(code, out, err, timed_out, truncated, duration)
+        return ExecResult(code, out, err, timed_out, truncated, duration, limits)
 
     def _kill_tree(self, proc: subprocess.Popen[bytes]) -> None:
         # Only while the session leader is unreaped: then its pid (= the group id) cannot have been reused.
@@ -262,6 +417,8 @@ class Sandbox:
                     if key.data == "exit":
                         sel.unregister(fd)
                         exited = True
+                        if not self.reports_leftovers:  # the leader is done: anything else is left over
+                            self._leftovers = len(set(self._cgroup.pids()) - {proc.pid})
                         self._kill_tree(proc)  # whatever it left behind would otherwise hold the pipes
                         if drain_until is None:
                             drain_until = time.monotonic() + _GRACE_S
@@ -306,16 +463,7 @@ class Sandbox:
 
     # ---- files ---------------------------------------------------------------------------------
     def _resolve(self, path: str) -> Path:
-        if not isinstance(path, str) or not path or "\x00" in path:
-            raise SandboxError(f"path must be a non-empty string, got {path!r}")
-        p = PurePosixPath(path)
-        if p.is_absolute():
-            raise SandboxError(
-                f"path {path!r} is absolute; pass a path relative to the workspace, e.g. 'solution.py'"
-            )
-        if ".." in p.parts:
-            raise SandboxError(f"path {path!r} contains '..'; pass a path inside the workspace")
-        full = self.workdir / p
+        full = self.workdir / check_relpath(path)
         root = Path(os.path.realpath(self.workdir))
         real = Path(os.path.realpath(full))
         if real != root and root not in real.parents:
@@ -360,21 +508,39 @@ class Sandbox:
         fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        if self.owner is not None:  # the file and any directory just made for it become the agent's
+            node, top = real, Path(os.path.realpath(self.workdir))
+            while node != top and node.is_relative_to(top):
+                if os.lstat(node).st_uid != self.owner:
+                    os.lchown(node, self.owner, self.owner)
+                node = node.parent
 
     def snapshot(self) -> dict[str, str]:
-        """All regular UTF-8 text files of the workspace (relative path -> content), capped in total."""
+        """All regular UTF-8 text files of the workspace (relative path -> content), capped in total.
+
+        Symlinks are never followed (nor returned); their relative paths are left in
+        ``snapshot_skipped_symlinks`` so callers can flag them."""
         with self._lock:
             self._check_open()
             out: dict[str, str] = {}
+            self.snapshot_skipped_symlinks = []
             total = 0
             limit = self.config.file_mb * MIB
             for dirpath, dirnames, filenames in os.walk(self.workdir):
+                for d in dirnames:
+                    if os.path.islink(os.path.join(dirpath, d)):  # os.walk lists but never enters them
+                        self.snapshot_skipped_symlinks.append(
+                            os.path.relpath(os.path.join(dirpath, d), self.workdir)
+                        )
                 dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
                 for name in sorted(filenames):
                     full = os.path.join(dirpath, name)
                     try:
                         st = os.lstat(full)
-                        if not os.path.isfile(full) or os.path.islink(full) or st.st_size > limit:
+                        if stat.S_ISLNK(st.st_mode):
+                            self.snapshot_skipped_symlinks.append(os.path.relpath(full, self.workdir))
+                            continue
+                        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
                             continue
                         if total + st.st_size > SNAPSHOT_MAX_BYTES:
                             continue
@@ -388,6 +554,28 @@ class Sandbox:
                     total += len(raw)
                     out[os.path.relpath(full, self.workdir)] = text
             return out
+
+
+def _read_leftovers(fd: int) -> int:
+    """The count the in-sandbox wrapper wrote on the status channel (``leftover N``), then close ``fd``."""
+    data = b""
+    try:
+        os.set_blocking(fd, False)
+        while len(data) < 4096:
+            try:
+                chunk = os.read(fd, 4096)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    lines = data.decode(errors="replace").split()
+    try:
+        return int(lines[-1]) if len(lines) >= 2 and lines[-2] == "leftover" else 0
+    except ValueError:
+        return 0
 
 
 def _exited_unreaped(pid: int) -> bool:

@@ -4,8 +4,13 @@ Invariants of the sandbox a command sees (``bwrap`` 0.8 flags, built once per sa
 - ``--unshare-all``: own user, pid, net (loopback only, no route out), ipc, uts and cgroup namespaces;
   ``--die-with-parent`` and the pid namespace make every process die with the sandbox's ``bwrap``.
 - ``--cap-drop ALL`` and ``--new-session`` (no capabilities, no TIOCSTI into the caller's terminal).
+- Run as root, tandem starts ``bwrap`` through ``setpriv`` as the unprivileged ``SandboxConfig.uid`` (no
+  supplementary groups, no capabilities; the cgroups and rlimits are set before the switch), so a command
+  is not root inside the sandbox nor outside it. Without root, commands run as tandem's uid.
 - Read-only: ``/usr`` (and the ``/bin``, ``/lib*``, ``/sbin`` links or dirs), a short list of ``/etc``
-  files programs need (no secrets), and the host's base CPython prefix (``sys.base_prefix``) at its own path.
+  files programs need (no secrets), and the host's base CPython prefix (``sys.base_prefix``) at its own path
+  when the command's uid can reach it; otherwise (e.g. pyenv under a private ``/root``) ``python3`` is the
+  system's ``/usr/bin/python3``, and a machine without one gets a :class:`SandboxError` saying what to do.
   Nothing else of the host is visible: not ``/root``, ``/work``, ``/home``, the venv, or ``/sys``.
 - The root (bwrap's tmpfs holding the mount points, with ``/etc`` etc.) is remounted read-only.
 - Writable: ``/workspace`` (the private copy, also the cwd and ``HOME``) and a fresh ``/tmp`` tmpfs of at most
@@ -20,6 +25,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -28,6 +34,7 @@ from pathlib import Path
 from tandem.core.config import SandboxConfig
 from tandem.core.errors import SandboxError
 from tandem.sandbox.base import Sandbox
+from tandem.sandbox.limits import agent_uid
 
 WORKSPACE = "/workspace"
 ETC_FILES = (
@@ -45,15 +52,48 @@ ETC_FILES = (
 """/etc entries bound read-only when present: enough for the dynamic loader, user names, time zones."""
 
 
+SYSTEM_PYTHON = Path("/usr/bin/python3")
+PYTHON_ALIAS_DIR = "/tandem/bin"
+"""Holds a ``python`` -> ``/usr/bin/python3`` link (first on PATH) when commands use the system Python."""
+
+
 def python_prefix() -> Path:
     """The host's base CPython installation (not a venv), bound read-only at the same path."""
     return Path(os.path.realpath(sys.base_prefix))
 
 
-def sandbox_env(home: str) -> dict[str, str]:
-    """The whole environment of a sandboxed command (both backends)."""
+def _world_reachable(path: Path) -> bool:
+    """True when any uid can traverse to ``path`` (every directory on the way is world-executable)."""
+    for p in (path, *path.parents):
+        try:
+            if not os.stat(p).st_mode & stat.S_IXOTH:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def sandbox_python(uid: int | None) -> Path | None:
+    """The Python prefix to bind for commands running as ``uid``: the host's base prefix, or None when they
+    use the system's ``/usr/bin/python3`` (the prefix is private to another uid). Raises when neither
+    works."""
+    prefix = python_prefix()
+    if uid is None or _world_reachable(prefix / "bin" / "python3"):
+        return prefix
+    if SYSTEM_PYTHON.exists():
+        return None
+    raise SandboxError(
+        f"sandboxed commands run as uid {uid}, which cannot reach the host Python under {prefix} (a parent "
+        "directory is private), and there is no /usr/bin/python3. Install the system Python "
+        "(apt-get install python3) or set sandbox.uid = 0 to run commands as root"
+    )
+
+
+def sandbox_env(home: str, prefix: Path | None = None) -> dict[str, str]:
+    """The whole environment of a sandboxed command (both backends); ``prefix``: the Python to put first."""
+    head = f"{prefix}/bin:" if prefix is not None else f"{PYTHON_ALIAS_DIR}:"
     return {
-        "PATH": f"{python_prefix()}/bin:/usr/local/bin:/usr/bin:/bin",
+        "PATH": f"{head}/usr/local/bin:/usr/bin:/bin",
         "HOME": home,
         "LANG": "C.UTF-8",
         "PYTHONDONTWRITEBYTECODE": "1",
@@ -61,10 +101,14 @@ def sandbox_env(home: str) -> dict[str, str]:
     }
 
 
-def bwrap_args(workdir: Path, tmp_mb: int = 64) -> list[str]:
-    """The bwrap argv prefix for a sandbox whose workspace copy is ``workdir``; the command follows it."""
+def bwrap_args(workdir: Path, tmp_mb: int = 64, uid: int | None = None) -> list[str]:
+    """The argv prefix for a sandbox whose workspace is ``workdir``, run as ``uid``; the command follows."""
     bwrap = shutil.which("bwrap") or "bwrap"
-    args = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    args: list[str] = []
+    if uid is not None:
+        setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
+        args += [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    args += [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     args += ["--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         p = Path("/") / name
@@ -74,25 +118,40 @@ def bwrap_args(workdir: Path, tmp_mb: int = 64) -> list[str]:
             args += ["--ro-bind", str(p), str(p)]
     for name in ETC_FILES:
         args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
-    prefix = python_prefix()
-    if not prefix.is_relative_to("/usr"):
+    prefix = sandbox_python(uid)
+    if prefix is None:  # `python` is the system python3, as with Debian's python-is-python3
+        args += ["--symlink", str(SYSTEM_PYTHON), f"{PYTHON_ALIAS_DIR}/python"]
+    elif not prefix.is_relative_to("/usr"):
         args += ["--ro-bind", str(prefix), str(prefix)]
     args += ["--size", str(tmp_mb * 1024 * 1024), "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev"]
     args += ["--bind", str(workdir), WORKSPACE, "--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv"]
-    for key, value in sandbox_env(WORKSPACE).items():
+    for key, value in sandbox_env(WORKSPACE, prefix).items():
         args += ["--setenv", key, value]
     return [*args, "--"]
 
 
+LEFTOVER_WRAPPER = 'rc=0; "$@" 3>&- || rc=$?; set -- /proc/[0-9]*; echo "leftover $(($# - 2))" >&3; exit $rc'
+"""Runs the command as pid 2 of the sandbox's pid namespace (bwrap's init is pid 1) without the status fd,
+then reports on fd 3 how many other processes are still alive in the namespace, and exits with the
+command's status (128+N when a signal killed it)."""
+
+
 @functools.cache
-def _probe() -> str | None:
-    """None when bwrap works here with our flags, else the reason it does not."""
+def _probe(uid: int | None = None) -> str | None:
+    """None when bwrap works here with our flags (run as ``uid``), else the reason it does not."""
     if shutil.which("bwrap") is None:
         return "`bwrap` is not on PATH (install the bubblewrap package)"
+    if uid is not None and shutil.which("setpriv") is None:
+        return "`setpriv` (util-linux) is not on PATH; install util-linux or set sandbox.uid = 0"
     with tempfile.TemporaryDirectory(prefix="tandem-bwrap-probe-") as d:
+        if uid is not None:
+            os.chown(d, uid, uid)
         try:
             r = subprocess.run(
-                [*bwrap_args(Path(d)), "true"], capture_output=True, timeout=30, env={"PATH": "/usr/bin:/bin"}
+                [*bwrap_args(Path(d), uid=uid), "true"],
+                capture_output=True,
+                timeout=30,
+                env={"PATH": "/usr/bin:/bin"},
             )
         except (OSError, subprocess.TimeoutExpired) as e:
             return f"running bwrap failed: {e}"
@@ -101,9 +160,9 @@ def _probe() -> str | None:
     return None
 
 
-def bwrap_available() -> bool:
-    """True when bubblewrap is installed and can create the namespaces this backend needs (checked once)."""
-    return _probe() is None
+def bwrap_available(config: SandboxConfig | None = None) -> bool:
+    """True when bubblewrap is installed and works with ``config``'s uid (default config; checked once)."""
+    return _probe(agent_uid((config or SandboxConfig()).model_copy(update={"backend": "bwrap"}))) is None
 
 
 class BwrapSandbox(Sandbox):
@@ -112,17 +171,19 @@ class BwrapSandbox(Sandbox):
     backend = "bwrap"
 
     def __init__(self, workspace: dict[str, str] | Path, config: SandboxConfig) -> None:
-        reason = _probe()
+        reason = _probe(agent_uid(config))
         if reason is not None:
             raise SandboxError(
                 f"the bwrap sandbox backend is not usable: {reason}. Install bubblewrap (and allow user "
                 "namespaces), or set sandbox.backend = 'plain' to opt into unisolated execution"
             )
         super().__init__(workspace, config)
-        self._prefix = bwrap_args(self.workdir, tmp_mb=config.memory_mb)
+        self._prefix = bwrap_args(self.workdir, tmp_mb=config.memory_mb, uid=self.owner)
+
+    reports_leftovers = True
 
     def _argv(self, cmd: list[str]) -> list[str]:
-        return [*self._prefix, *cmd]
+        return [*self._prefix, "/bin/sh", "-c", LEFTOVER_WRAPPER, "tandem-exec", *cmd]
 
     def _env(self) -> dict[str, str]:
         return {"PATH": "/usr/bin:/bin"}  # only bwrap itself sees this; --clearenv builds the command's env

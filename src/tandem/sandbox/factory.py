@@ -12,13 +12,14 @@ from tandem.core.config import SandboxConfig
 from tandem.core.errors import SandboxError
 from tandem.sandbox.base import Sandbox
 from tandem.sandbox.bwrap import BwrapSandbox
+from tandem.sandbox.layers import WorkspaceTemplate
 from tandem.sandbox.plain import PlainSandbox
 
 BACKENDS: dict[str, type[Sandbox]] = {"bwrap": BwrapSandbox, "plain": PlainSandbox}
 
 
-def create_sandbox(workspace: dict[str, str] | Path, config: SandboxConfig) -> Sandbox:
-    """A new sandbox holding a private copy of ``workspace`` (files to write, or a directory to copy)."""
+def create_sandbox(workspace: dict[str, str] | Path | WorkspaceTemplate, config: SandboxConfig) -> Sandbox:
+    """A new sandbox with a private view of ``workspace`` (files, a directory, or a template of either)."""
     try:
         cls = BACKENDS[config.backend]
     except KeyError:

@@ -55,7 +55,6 @@ def _own_cgroup_dir(controller: str) -> Path | None:
     return None
 
 
-
 def _kill_procs(d: Path, deadline_s: float = 2.0) -> None:
     """SIGKILL every process in cgroup dir ``d`` until it is empty (processes may fork while we kill)."""
     end = time.monotonic() + deadline_s
@@ -156,6 +155,36 @@ class Cgroup:
         """Shell lines that move the current shell (``$$``) into every cgroup of this sandbox."""
         return "".join(f"echo $$ > {shlex.quote(str(d / 'cgroup.procs'))} || exit 125\n" for d in self.dirs)
 
+    def pids(self) -> list[int]:
+        """Pids currently in this sandbox's cgroups (empty without cgroups)."""
+        out: set[int] = set()
+        for d in self.dirs:
+            try:
+                out.update(int(x) for x in (d / "cgroup.procs").read_text().split())
+            except (OSError, ValueError):
+                pass
+        return sorted(out)
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative limit counters: ``oom_kill``, ``mem_failcnt`` and ``pids_max`` (refused forks)."""
+        out: dict[str, int] = {}
+        for d in self.dirs:
+            for fname, key, prefix in (
+                ("memory.oom_control", "oom_kill", "oom_kill "),
+                ("pids.events", "pids_max", "max "),
+            ):
+                try:
+                    for line in (d / fname).read_text().splitlines():
+                        if line.startswith(prefix):
+                            out[key] = int(line.split()[1])
+                except (OSError, ValueError, IndexError):
+                    pass
+            try:
+                out["mem_failcnt"] = int((d / "memory.failcnt").read_text())
+            except (OSError, ValueError):
+                pass
+        return out
+
     def kill_all(self) -> None:
         for d in self.dirs:
             _kill_procs(d)
@@ -167,8 +196,15 @@ class Cgroup:
         self.dirs = []
 
 
-def _uid_process_count() -> int:
-    uid = os.getuid()
+def agent_uid(config: SandboxConfig) -> int | None:
+    """The uid a sandbox's commands run as: ``config.uid`` for the bwrap backend when tandem is root and the
+    uid is not 0, else None (this process's own uid)."""
+    if config.backend == "bwrap" and os.geteuid() == 0 and config.uid != 0:
+        return config.uid
+    return None
+
+
+def _uid_process_count(uid: int) -> int:
     n = 0
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
@@ -180,12 +216,14 @@ def _uid_process_count() -> int:
     return n
 
 
-def rlimit_script(config: SandboxConfig, use_nproc: bool) -> str:
+def rlimit_script(config: SandboxConfig, use_nproc: bool, uid: int | None = None) -> str:
     """Shell lines setting the rlimits of ``config`` (dash ``ulimit``: one limit per call, -f in 512 B).
 
-    RLIMIT_NPROC counts every process of the real uid on the host, and root is exempt from it, so it is only
-    used without a pids cgroup and as a non-root user, set to ``pids`` above the uid's current count.
+    ``uid`` is the uid the command will run as (None: this process's). RLIMIT_NPROC counts every process of
+    that uid on the host, and root is exempt from it, so it is only used without a pids cgroup and for a
+    non-root uid, set to ``pids`` above the uid's current count.
     """
+    uid = os.getuid() if uid is None else uid
     lines = [
         "ulimit -c 0",
         f"ulimit -n {NOFILE}",
@@ -194,6 +232,6 @@ def rlimit_script(config: SandboxConfig, use_nproc: bool) -> str:
         f"ulimit -H -t {config.cpu_s + 1}",  # SIGXCPU at the soft limit, SIGKILL one second later
         f"ulimit -v {config.memory_mb * 1024}",
     ]
-    if use_nproc and os.getuid() != 0:
-        lines.append(f"ulimit -p {_uid_process_count() + config.pids}")
+    if use_nproc and uid != 0:
+        lines.append(f"ulimit -p {_uid_process_count(uid) + config.pids}")
     return "".join(f"{line} || exit 125\n" for line in lines)

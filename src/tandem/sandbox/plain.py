@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tandem.core.config import SandboxConfig
 from tandem.sandbox.base import Sandbox
-from tandem.sandbox.bwrap import sandbox_env
+from tandem.sandbox.bwrap import python_prefix, sandbox_env
 
 log = logging.getLogger(__name__)
 WARNING = (
@@ -44,7 +44,7 @@ class PlainSandbox(Sandbox):
     def __init__(self, workspace: dict[str, str] | Path, config: SandboxConfig) -> None:
         warn_plain()
         super().__init__(workspace, config)
-        self._environ = sandbox_env(str(self.workdir))
+        self._environ = sandbox_env(str(self.workdir), python_prefix())
 
     def _argv(self, cmd: list[str]) -> list[str]:
         return cmd

@@ -84,7 +84,6 @@ def new_owner() -> dict[str, Any]:
     return {"pid": os.getpid(), "host": socket.gethostname(), "token": uuid.uuid4().hex, "since": time.time()}
 
 
-
 def describe_holder(holder: dict[str, Any]) -> str:
     since = holder.get("since")
     when = (

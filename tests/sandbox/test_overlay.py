@@ -1,0 +1,131 @@
+"""Copy-on-write workspaces, templates, the warm pool, the reaper, the agent uid and limit reporting."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tandem.core.config import SandboxConfig
+from tandem.core.errors import SandboxError
+from tandem.sandbox import SandboxPool, WorkspaceTemplate, bwrap_available, create_sandbox, drain_reaper
+from tandem.sandbox.layers import layer_cache
+from tandem.sandbox.limits import agent_uid
+from tandem.sandbox.overlay import mounts_under, overlay_available
+
+pytestmark = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap is not usable on this machine")
+needs_overlay = pytest.mark.skipif(
+    not overlay_available(), reason="overlayfs cannot be mounted here (not root)"
+)
+
+
+@pytest.fixture
+def cfg() -> SandboxConfig:
+    return SandboxConfig(timeout_s=20.0)
+
+
+def _tree(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "mod.py").write_text("VALUE = 1\n")
+    (src / "README").write_text("readme\n")
+    return src
+
+
+@needs_overlay
+def test_overlay_is_copy_on_write_and_shares_one_layer(tmp_path: Path, cfg: SandboxConfig) -> None:
+    src = _tree(tmp_path)
+    cache = layer_cache(agent_uid(cfg))
+    built = cache.built
+    a, b = create_sandbox(src, cfg), create_sandbox(src, cfg)
+    try:
+        assert a.mode == b.mode == "overlay"
+        assert cache.built == built + 1  # both views sit on one shared read-only layer
+        r = a.exec(["sh", "-c", "echo 2 >> pkg/mod.py && rm README && mkdir new && echo x > new/f && ls"])
+        assert r.exit_code == 0, r.stderr
+        assert a.snapshot() == {"pkg/mod.py": "VALUE = 1\n2\n", "new/f": "x\n"}
+        assert b.snapshot() == {
+            "pkg/mod.py": "VALUE = 1\n",
+            "README": "readme\n",
+        }  # b does not see a's writes
+        assert (src / "README").read_text() == "readme\n"  # and the source directory is untouched
+        assert mounts_under(a.workdir) == [a.workdir]
+    finally:
+        a.close()
+        b.close()
+    assert not a.workdir.exists() and mounts_under(a.workdir) == []
+
+
+def test_copy_and_overlay_give_the_same_workspace(tmp_path: Path, cfg: SandboxConfig) -> None:
+    src = _tree(tmp_path)
+    views = []
+    for mode in ("copy", "auto"):
+        with create_sandbox(src, cfg.model_copy(update={"workspace_mode": mode})) as s:
+            s.write("pkg/added.py", "A = 1\n")
+            r = s.exec(["python3", "-c", "import pkg.mod, pkg.added; print(pkg.mod.VALUE + pkg.added.A)"])
+            views.append((s.snapshot(), r.stdout))
+    assert views[0] == views[1] and views[0][1] == "2\n"
+
+
+def test_overlay_mode_refused_clearly_when_unavailable(cfg: SandboxConfig) -> None:
+    if overlay_available():
+        pytest.skip("overlays work here; the refusal path needs a non-root process")
+    with pytest.raises(SandboxError, match="workspace_mode"):
+        create_sandbox({"a": "1"}, cfg.model_copy(update={"workspace_mode": "overlay"}))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to the agent uid needs root")
+def test_commands_run_as_the_unprivileged_agent_uid(cfg: SandboxConfig) -> None:
+    with create_sandbox({"a.py": "x = 1\n"}, cfg) as s:
+        r = s.exec(["sh", "-c", "id -u; id -G; grep CapEff /proc/self/status; echo y >> a.py; cat a.py"])
+        uid, groups, caps, *content = r.stdout.split("\n")
+        assert (uid, groups) == (str(cfg.uid), str(cfg.uid)), r.stderr
+        assert caps.split()[1] == "0000000000000000"
+        assert content[:2] == ["x = 1", "y"]
+        s.write("sub/new.py", "z = 2\n")  # files tandem writes are the agent's to edit
+        assert s.exec(["sh", "-c", "echo w >> sub/new.py"]).exit_code == 0
+        assert s.exec(["touch", "/tandem-root-owned"]).exit_code != 0
+
+
+def test_template_pool_hands_out_pristine_sandboxes(cfg: SandboxConfig) -> None:
+    with (
+        WorkspaceTemplate({"counter.txt": "0\n"}, cfg) as template,
+        SandboxPool(template, cfg, size=2) as pool,
+    ):
+        seen = []
+        for _ in range(3):
+            s = pool.acquire()
+            seen.append(s.exec(["sh", "-c", "cat counter.txt; echo 1 > counter.txt"]).stdout)
+            s.close(wait=False)
+        assert seen == ["0\n"] * 3
+        assert pool.hits + pool.misses == 3 and pool.hits >= 1
+    drain_reaper()
+    with pytest.raises(SandboxError, match="pool is closed"):
+        pool.acquire()
+
+
+def test_close_without_waiting_kills_now_and_cleans_up_on_the_reaper(cfg: SandboxConfig) -> None:
+    s = create_sandbox({"a": "1"}, cfg)
+    root, cgroups = s.workdir.parent, list(s._cgroup.dirs)
+    s.close(wait=False)
+    with pytest.raises(SandboxError, match="closed"):
+        s.exec(["true"])
+    drain_reaper()
+    assert not root.exists() and not any(d.exists() for d in cgroups)
+
+
+def test_limits_are_reported(cfg: SandboxConfig) -> None:
+    small = cfg.model_copy(update={"cpu_s": 1, "file_mb": 1, "pids": 16, "max_output_bytes": 2000})
+    with create_sandbox({}, small) as s:
+        assert s.exec(["true"]).limits == ()
+        assert s.exec(["sh", "-c", "sleep 100 & echo started"]).limits == ("leftover_processes",)
+        assert s.exec(["sleep", "5"], timeout_s=0.5).limits == ("timeout",)
+        assert s.exec(["python3", "-c", "print('x' * 3000)"]).limits == ("output",)
+        assert "cpu" in s.exec(["python3", "-c", "while True: pass"]).limits
+        assert "file_size" in s.exec(["python3", "-c", "open('f', 'wb').write(b'x' * (2 << 20))"]).limits
+        assert "memory" in s.exec(["python3", "-c", "x = bytearray(1 << 40)"]).limits
+        if s._cgroup.has_pids:
+            bomb = "import os\nfor _ in range(64):\n    os.fork() if os.getpid() else None\n"
+            assert "pids" in s.exec(["python3", "-c", bomb]).limits
+        assert s.exec(["cat"], stdin="in\n").limits == ()  # the stdin path reports too
