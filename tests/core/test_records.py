@@ -60,3 +60,26 @@ def test_trajectory_diff_round_trips_and_old_dicts_load():
     old = t.to_dict()
     del old["diff"]
     assert Trajectory.from_dict(old).diff == ""
+
+
+def test_sampling_bookkeeping_is_recorded_only_when_used_and_round_trips():
+    plain = SegmentBuilder()
+    plain.add_context([1, 2])
+    plain.add_sampled([3, 4], [-0.5, -0.25], [0, 0])
+    seg = plain.build()
+    assert seg.sampler_logmass is None and seg.sampler_temperature is None
+    assert "sampler_logmass" not in seg.to_dict()
+
+    b = SegmentBuilder()
+    b.add_context([1, 2])
+    b.add_sampled([3, 4], [-0.5, -0.25], [0, 0], logmass=[-0.1, 0.0], temperature=0.7)
+    b.add_context([5])
+    b.add_sampled([6], [-1.0], [1], temperature=0.0)  # greedy is recorded as temperature 1
+    seg = b.build()
+    np.testing.assert_allclose(seg.sampler_logmass, [0, 0, -0.1, 0, 0, 0], atol=1e-7)
+    np.testing.assert_allclose(seg.sampler_temperature, [1, 1, 0.7, 0.7, 1, 1], atol=1e-7)
+    back = Segment.from_dict(seg.to_dict())
+    np.testing.assert_array_equal(back.sampler_logmass, seg.sampler_logmass)
+    np.testing.assert_array_equal(back.sampler_temperature, seg.sampler_temperature)
+    with pytest.raises(ValueError, match="equal lengths"):
+        b.add_sampled([7, 8], [-1.0, -1.0], [1, 1], logmass=[0.0])

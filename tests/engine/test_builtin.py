@@ -338,3 +338,34 @@ def test_patch_weights_bad_input_changes_nothing(engine):
     bits = torch.tensor([1.5, -2.0]).to(torch.bfloat16).view(torch.uint16).numpy()
     engine.patch_weights(3, {name: (np.array([0, 1]), bits)})
     assert engine.model.state_dict()[name].view(-1)[:2].tolist() == [1.5, -2.0]
+
+
+def test_trainer_recomputes_the_sampled_quantity_with_logmass_and_temperature(engine):
+    """Issue 6 item 3: with top-p and temperature, the sampler's logprob is over the kept support; the engine
+    returns that support's log mass, the segment carries it with the temperature, and the trainer's
+    ``token_logprobs`` then computes the same quantity (and without them it would not)."""
+    from tandem.core.records import SegmentBuilder
+    from tandem.train.batching import SequenceInput, pack, token_logprobs
+
+    model = engine.model
+    ps = prompts(3, seed=11)
+    for t, p in [(0.7, 0.8), (1.3, 0.5), (1.0, 1.0)]:
+        outs = engine.generate([req(q, n=16, t=t, p=p, seed=i) for i, q in enumerate(ps)])
+        seqs = []
+        for q, c in zip(ps, outs, strict=True):
+            assert c.logmass is not None and len(c.logmass) == len(c.token_ids)
+            assert all(m <= 1e-6 for m in c.logmass) and (p < 1.0) == any(m < -1e-6 for m in c.logmass)
+            b = SegmentBuilder()
+            b.add_context(q)
+            b.add_sampled(c.token_ids, c.logprobs, c.versions, c.logmass, t)
+            seqs.append(SequenceInput(b.build(), 1.0))
+        for mb in pack(seqs, micro_batch_tokens=4096):
+            with torch.no_grad():
+                trainer_lp = token_logprobs(model, mb).logprobs
+            sampled = mb.loss_mask > 0
+            np.testing.assert_allclose(trainer_lp[sampled], mb.sampler_logprobs[sampled], atol=1e-4)
+            if p < 1.0 or t != 1.0:  # the uncorrected recomputation is a different quantity
+                mb.sampler_logmass, mb.temperature = None, None
+                with torch.no_grad():
+                    raw = token_logprobs(model, mb).logprobs
+                assert (raw[sampled] - mb.sampler_logprobs[sampled]).abs().max() > 1e-2

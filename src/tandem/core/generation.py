@@ -41,6 +41,9 @@ class Completion:
     versions: list[int]
     finish_reason: str  # "stop" | "length" | "error"
     error: str | None = None
+    logmass: list[float] | None = None
+    """Per token, the log of the probability mass the sampler kept (top-p); ``log p_full - logmass`` is the
+    token's logprob. None (or all 0.0): nothing was truncated."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

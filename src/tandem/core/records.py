@@ -5,6 +5,10 @@ Invariants:
   ``from_dict``, unchanged, so it crosses Ray and file boundaries as is.
 - In a ``Segment`` all per-token arrays have the same length. ``loss_mask`` is 1 exactly for the tokens the
   policy sampled; ``sampler_logprobs`` is NaN and ``versions`` is -1 where ``loss_mask`` is 0.
+- A sampled token's ``sampler_logprobs`` is its logprob under the distribution it was drawn from: the
+  logits divided by ``sampler_temperature`` (1 when absent), renormalised over the top-p support whose log
+  mass is ``sampler_logmass`` (0 when absent). So ``log_softmax(logits / T)[token] - logmass`` is the same
+  quantity computed with any other weights.
 - Token ids are those the engine consumed and produced; nothing downstream re-tokenizes text.
 """
 
@@ -91,11 +95,13 @@ class Segment:
     sampler_logprobs: np.ndarray  # float32 [T], NaN where not sampled
     versions: np.ndarray  # int32 [T], -1 where not sampled
     routed_experts: np.ndarray | None = None  # int16/uint8 [T, moe_layers, top_k]
+    sampler_logmass: np.ndarray | None = None  # float32 [T], 0 where not truncated; None: all 0
+    sampler_temperature: np.ndarray | None = None  # float32 [T], 1 where not sampled; None: all 1
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
-        for name in ("loss_mask", "sampler_logprobs", "versions"):
-            if len(getattr(self, name)) != n:
+        for name in ("loss_mask", "sampler_logprobs", "versions", "sampler_logmass", "sampler_temperature"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise ValueError(f"Segment.{name} has length {len(getattr(self, name))}, token_ids has {n}")
 
     @classmethod
@@ -122,8 +128,9 @@ class Segment:
             "sampler_logprobs": self.sampler_logprobs,
             "versions": self.versions,
         }
-        if self.routed_experts is not None:
-            d["routed_experts"] = self.routed_experts
+        for name in ("routed_experts", "sampler_logmass", "sampler_temperature"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
         return d
 
     @classmethod
@@ -134,6 +141,10 @@ class Segment:
             np.asarray(d["sampler_logprobs"], np.float32),
             np.asarray(d["versions"], np.int32),
             None if d.get("routed_experts") is None else np.asarray(d["routed_experts"]),
+            None if d.get("sampler_logmass") is None else np.asarray(d["sampler_logmass"], np.float32),
+            None
+            if d.get("sampler_temperature") is None
+            else np.asarray(d["sampler_temperature"], np.float32),
         )
 
 
@@ -145,30 +156,51 @@ class SegmentBuilder:
         self.mask: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.logmass: list[float] = []
+        self.temperature: list[float] = []
 
     def add_context(self, ids: list[int]) -> None:
         self.ids.extend(ids)
         self.mask.extend([0] * len(ids))
         self.logprobs.extend([math.nan] * len(ids))
         self.versions.extend([-1] * len(ids))
+        self.logmass.extend([0.0] * len(ids))
+        self.temperature.extend([1.0] * len(ids))
 
-    def add_sampled(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
-        if not (len(ids) == len(logprobs) == len(versions)):
-            raise ValueError("sampled ids, logprobs and versions must have equal lengths")
+    def add_sampled(
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        versions: list[int],
+        logmass: list[float] | None = None,
+        temperature: float = 1.0,
+    ) -> None:
+        """Append sampled tokens with the sampler's logprobs, versions, top-p log masses (None: no
+        truncation) and the temperature they were sampled at (0, greedy, is recorded as 1)."""
+        if not (len(ids) == len(logprobs) == len(versions)) or (
+            logmass is not None and len(logmass) != len(ids)
+        ):
+            raise ValueError("sampled ids, logprobs, versions and logmass must have equal lengths")
         self.ids.extend(ids)
         self.mask.extend([1] * len(ids))
         self.logprobs.extend(logprobs)
         self.versions.extend(versions)
+        self.logmass.extend(logmass if logmass is not None else [0.0] * len(ids))
+        self.temperature.extend([float(temperature) if temperature > 0 else 1.0] * len(ids))
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def build(self) -> Segment:
+        logmass = np.asarray(self.logmass, np.float32)
+        temperature = np.asarray(self.temperature, np.float32)
         return Segment(
             np.asarray(self.ids, np.int32),
             np.asarray(self.mask, np.uint8),
             np.asarray(self.logprobs, np.float32),
             np.asarray(self.versions, np.int32),
+            sampler_logmass=logmass if logmass.any() else None,
+            sampler_temperature=temperature if (temperature != 1.0).any() else None,
         )
 
 

@@ -58,6 +58,7 @@ class _Session:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    logmass: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -443,12 +444,14 @@ class BuiltinEngine:
         temps = torch.tensor([s.request.params.temperature for s in sessions], dtype=torch.float32)
         top_p = torch.tensor([s.request.params.top_p for s in sessions], dtype=torch.float32)
         us = torch.tensor([s.rng.next() if s.request.params.temperature > 0 else 1.0 for s in sessions])
-        tokens, lps = sample(logits, temps, top_p, us)
+        tokens, lps, logmass = sample(logits, temps, top_p, us)
         version = self._version
         finished: list[int] = []
-        for k, (s, tok, lp) in enumerate(zip(sessions, tokens.tolist(), lps.tolist(), strict=True)):
+        rows = zip(sessions, tokens.tolist(), lps.tolist(), logmass.tolist(), strict=True)
+        for k, (s, tok, lp, lm) in enumerate(rows):
             s.tokens.append(tok)
             s.logprobs.append(lp)
+            s.logmass.append(lm)
             s.versions.append(version)
             if tok in s.stop or len(s.tokens) >= s.max_new:
                 finished.append(first + k)
@@ -457,7 +460,7 @@ class BuiltinEngine:
         for slot in sorted(finished, reverse=True):
             s = self._active[slot]
             reason = "stop" if s.tokens[-1] in s.stop else "length"
-            _resolve(s.future, Completion(s.tokens, s.logprobs, s.versions, reason))
+            _resolve(s.future, Completion(s.tokens, s.logprobs, s.versions, reason, logmass=s.logmass))
             self._remove(slot, [*s.request.prompt_ids, *s.tokens])
 
     def _remove(self, slot: int, sequence: list[int]) -> None:

@@ -4,8 +4,12 @@ Semantics (what ``Completion.logprobs`` means):
 - ``temperature > 0``: logits are divided by the temperature, then top-p keeps, in order of decreasing
   probability, every token whose preceding cumulative mass is below ``top_p`` (so at least one token, and the
   token that crosses ``top_p`` is kept); the kept set is renormalised. The logprob is log p(token) under that
-  renormalised distribution, which is exactly the distribution the token was drawn from.
-- ``temperature == 0``: greedy (argmax); the distribution is a point mass, so the logprob is 0.0.
+  renormalised distribution, which is exactly the distribution the token was drawn from. The kept set's
+  log mass under the temperature-scaled full distribution (``logmass``, <= 0; 0 without truncation) is
+  returned too: ``log p_full(token) - logmass`` is the sampled logprob, so a trainer that recomputes
+  ``log p_full`` with its own weights gets the same quantity by subtracting it.
+- ``temperature == 0``: greedy (argmax); the distribution is a point mass, so the logprob is 0.0 (and the
+  logmass 0.0).
 
 Randomness: one uniform number per sampled token, drawn from the session's own ``torch.Generator`` and
 turned into a token by inverse-CDF search, so a session's samples do not depend on which other sessions
@@ -38,15 +42,16 @@ class UniformStream:
 
 def sample(
     logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one token per row.
 
     logits [n, V] float32; temperature, top_p, uniforms [n] (uniforms in (0, 1]).
-    Returns (tokens [n] int64, logprobs [n] float32) per the module semantics.
+    Returns (tokens [n] int64, logprobs [n] float32, logmass [n] float32) per the module semantics.
     """
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
     logp = torch.log_softmax(scaled, dim=-1)
+    logmass = torch.zeros(logits.shape[0], dtype=logp.dtype)
     if bool((top_p < 1.0).any()):
         sorted_logp, order = logp.sort(dim=-1, descending=True)
         p = sorted_logp.exp()
@@ -54,7 +59,9 @@ def sample(
         drop_sorted = before >= top_p.unsqueeze(1)
         drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-        logp = torch.log_softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+        kept = logp.masked_fill(drop, float("-inf"))
+        logmass = torch.logsumexp(kept, dim=-1)
+        logp = kept - logmass.unsqueeze(1)
     cdf = logp.exp().cumsum(dim=-1)
     target = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(1)
     tokens = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=logits.shape[1] - 1)
@@ -62,4 +69,5 @@ def sample(
         tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     lps = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     lps = torch.where(greedy, torch.zeros_like(lps), lps)
-    return tokens, lps
+    logmass = torch.where(greedy, torch.zeros_like(logmass), logmass)
+    return tokens, lps, logmass

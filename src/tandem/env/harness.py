@@ -103,7 +103,13 @@ async def run_session(
             if completion.finish_reason == "error":
                 flags["engine_error"] = True
                 break
-            builder.add_sampled(completion.token_ids, completion.logprobs, completion.versions)
+            builder.add_sampled(
+                completion.token_ids,
+                completion.logprobs,
+                completion.versions,
+                completion.logmass or None,
+                params.temperature,
+            )
             stats["turns"] += 1
             text, calls, errors = chat.parse_assistant(completion.token_ids)
             messages.append(Message("assistant", text, calls))

@@ -50,6 +50,8 @@ class MicroBatch:
     sampler_logprobs: torch.Tensor  # float32 [L], NaN where not sampled
     seq_index: torch.Tensor  # int64 [L], index into the list of packed sequences
     seq_ids: list[int]  # the sequences in this row, in order
+    sampler_logmass: torch.Tensor | None = None  # float32 [L], top-p kept log mass; None: all 0
+    temperature: torch.Tensor | None = None  # float32 [L], sampling temperature of each token; None: all 1
 
     @property
     def num_tokens(self) -> int:
@@ -89,7 +91,7 @@ def pack(sequences: list[SequenceInput], micro_batch_tokens: int) -> list[MicroB
     plan = plan_micro_batches([len(s.segment) for s in sequences], micro_batch_tokens)
     out = []
     for seq_ids in plan:
-        ids, pos, mask, adv, slp, sidx = [], [], [], [], [], []
+        ids, pos, mask, adv, slp, sidx, lmass, temp = [], [], [], [], [], [], [], []
         for k in seq_ids:
             seg = sequences[k].segment
             n = len(seg)
@@ -102,6 +104,12 @@ def pack(sequences: list[SequenceInput], micro_batch_tokens: int) -> list[MicroB
             adv.append(np.full(n, sequences[k].advantage, np.float32))
             slp.append(seg.sampler_logprobs.astype(np.float32))
             sidx.append(np.full(n, k, np.int64))
+            lmass.append(seg.sampler_logmass if seg.sampler_logmass is not None else np.zeros(n, np.float32))
+            temp.append(
+                seg.sampler_temperature if seg.sampler_temperature is not None else np.ones(n, np.float32)
+            )
+        logmass = np.concatenate(lmass).astype(np.float32)
+        temperature = np.concatenate(temp).astype(np.float32)
         out.append(
             MicroBatch(
                 input_ids=torch.from_numpy(np.concatenate(ids))[None],
@@ -111,6 +119,8 @@ def pack(sequences: list[SequenceInput], micro_batch_tokens: int) -> list[MicroB
                 sampler_logprobs=torch.from_numpy(np.concatenate(slp)),
                 seq_index=torch.from_numpy(np.concatenate(sidx)),
                 seq_ids=list(seq_ids),
+                sampler_logmass=torch.from_numpy(logmass) if logmass.any() else None,
+                temperature=torch.from_numpy(temperature) if (temperature != 1.0).any() else None,
             )
         )
     return out
@@ -127,19 +137,25 @@ class LogprobOutput:
 def token_logprobs(model: torch.nn.Module, mb: MicroBatch, with_entropy: bool = False) -> LogprobOutput:
     """Logprob of every token of a packed row given the tokens before it in the same sequence.
 
-    ``out[i] = log_softmax(logits[i - 1])[input_ids[i]]`` for tokens that are not the first of their sequence,
-    0 for first tokens (the logits of the previous sequence's last token never cross into the next one).
+    ``out[i] = log_softmax(logits[i - 1] / T[i])[input_ids[i]] - logmass[i]`` for tokens that are not the
+    first of their sequence, 0 for first tokens (the logits of the previous sequence's last token never
+    cross into the next one); ``T`` and ``logmass`` are the row's sampling temperatures and top-p kept log
+    masses (1 and 0 when the row has none), so the result is the same quantity as the sampler's logprob.
     Differentiable unless called under ``torch.no_grad``. The entropy (no grad) of the distribution that
     produced each sampled token is computed from the same logits when ``with_entropy`` (0 elsewhere).
     """
     logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids, use_cache=False).logits[0, :-1]
     logits = logits.float()
+    if mb.temperature is not None:
+        logits = logits / mb.temperature[1:, None]
     targets = mb.input_ids[0, 1:]
     lse = torch.logsumexp(logits, dim=-1)
     lp = logits.gather(-1, targets[:, None])[:, 0] - lse
     first = mb.position_ids[0, 1:] == 0  # token i starts a new sequence: no in-sequence context
     lp = torch.where(first, torch.zeros_like(lp), lp)
     lp = torch.cat([lp.new_zeros(1), lp])
+    if mb.sampler_logmass is not None:
+        lp = lp - torch.where(mb.loss_mask > 0, mb.sampler_logmass, torch.zeros_like(mb.sampler_logmass))
     ent = None
     if with_entropy:
         with torch.no_grad():  # only at sampled positions: [sampled, V] instead of [L, V]
