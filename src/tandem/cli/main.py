@@ -275,13 +275,46 @@ def bench_sandbox(
     typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
 
 
+@bench_app.command("gateway")
+def bench_gateway(
+    model: Annotated[str, typer.Option(help="Model directory.")] = "models/tandem-base",
+    sessions: Annotated[int, typer.Option(help="Concurrent sessions.")] = 32,
+    turns: Annotated[int, typer.Option(help="Turns per session.")] = 3,
+    max_tokens: Annotated[int, typer.Option(help="Tokens sampled per turn (EOS ignored).")] = 32,
+    threads: Annotated[int, typer.Option(help="Torch threads.")] = 2,
+    repeats: Annotated[int, typer.Option(help="Timed rounds per side; the best counts.")] = 3,
+    client_procs: Annotated[int, typer.Option(help="Client (harness) processes sharing the sessions.")] = 1,
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """The OpenAI gateway (official openai client, real HTTP) vs the same engine called in-process."""
+    path = resolve_model_path(model)
+    check_model_path(path)
+    from tandem.bench.gateway import run_gateway_bench
+
+    try:
+        out = run_gateway_bench(
+            path,
+            sessions=sessions,
+            turns=turns,
+            max_tokens=max_tokens,
+            threads=threads,
+            repeats=repeats,
+            client_procs=client_procs,
+        )
+    except ValueError as e:
+        fail(str(e))
+    typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
+
+
 def _mount_subcommands() -> None:
     from tandem.cli import env as env_cli
     from tandem.cli import midtrain as midtrain_cli
     from tandem.cli import sandbox as sandbox_cli
+    from tandem.cli import serve as serve_cli
     from tandem.cli import weights as weights_cli
     from tandem.cli import weights_serve
 
+    app.command("serve")(serve_cli.serve)
     app.add_typer(sandbox_cli.app, name="sandbox")
     app.add_typer(env_cli.app, name="env")
     weights_cli.weights_app.command("serve")(weights_serve.serve)

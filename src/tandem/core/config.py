@@ -313,6 +313,15 @@ class RolloutConfig(Section):
     """Rollout worker actors."""
     groups_in_flight: int = 8
     """Groups each worker runs concurrently."""
+    harness_command: list[str] = []
+    """An external harness to run once per rollout instead of the built-in one, e.g.
+    ``["python3", "/abs/path/examples/openai_harness.py"]``: it runs in the task's sandbox with
+    OPENAI_BASE_URL (tandem's gateway, the sandbox's only way out), OPENAI_API_KEY, TANDEM_SESSION and
+    TANDEM_TASK set; empty: the built-in harness."""
+    harness_mounts: list[str] = []
+    """Host paths (the harness's own files) bound read-only at the same path in the harness's sandbox."""
+    harness_site_packages: bool = True
+    """Also bind tandem's own site-packages read-only and put it on PYTHONPATH (so `import openai` works)."""
 
 
 class TrainConfig(Section):

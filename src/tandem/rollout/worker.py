@@ -2,7 +2,9 @@
 
 Invariants: a group holds exactly ``group_size`` trajectories of the same task, or the call raises (the
 caller requeues the task); sessions of one group share nothing but the task; every session's sampling seed
-is distinct so the group explores.
+is distinct so the group explores. With ``rollout.harness_command`` the sessions are runs of that external
+harness through this worker's gateway (``tandem.rollout.external``); the harness chooses its own sampling
+parameters.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Iterator
+from typing import Any
 
 from tandem.core.config import RunConfig
 from tandem.core.generation import ChatFormat, SamplingParams
@@ -57,6 +60,21 @@ class RolloutWorker:
         self.chat = chat
         self.cfg = cfg
         self._seeds = itertools.count(seed * 1_000_003 + 1)
+        self._external: Any = None
+
+    def external(self) -> Any:
+        """The external-harness gateway of this worker (started on first use, in the running loop)."""
+        if self._external is None:
+            from tandem.rollout.external import ExternalHarness
+
+            self._external = ExternalHarness(self.generate, self.chat, self.cfg)
+        return self._external
+
+    def close(self) -> None:
+        """Stop the external-harness gateway, if one was started."""
+        if self._external is not None:
+            self._external.close()
+            self._external = None
 
     def sampling(self, temperature: float | None = None) -> SamplingParams:
         r = self.cfg.rollout
@@ -72,6 +90,10 @@ class RolloutWorker:
     ) -> Group:
         """Run ``group_size`` sessions of ``task`` concurrently."""
         n = self.cfg.rollout.group_size if group_size is None else group_size
+        if self.cfg.rollout.harness_command:
+            harness = self.external()
+            trajectories = await asyncio.gather(*(harness.run_session(task) for _ in range(n)))
+            return Group(task.id, list(trajectories))
         sessions = [
             run_session(
                 task,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import shlex
 import shutil
 import signal
 import stat
@@ -37,6 +38,7 @@ from pathlib import Path
 from tandem.core.config import SandboxConfig
 from tandem.core.errors import SandboxError
 from tandem.core.procs import pid_alive
+from tandem.sandbox.forward import SocketForwarder
 from tandem.sandbox.layers import LayerCache, WorkspaceTemplate, check_relpath, layer_cache
 from tandem.sandbox.limits import MIB, Cgroup, _host_tag, agent_uid, rlimit_script
 from tandem.sandbox.overlay import mount_overlay, mounts_under, overlay_unavailable_reason, unmount
@@ -134,7 +136,11 @@ def _sweep_tmp() -> None:
             _rmtree(p)
 
 
-def _cleanup(root: Path, cgroup: Cgroup, layer: list[tuple[LayerCache, str]]) -> None:
+def _cleanup(
+    root: Path, cgroup: Cgroup, layer: list[tuple[LayerCache, str]], forwarder: list[SocketForwarder]
+) -> None:
+    while forwarder:
+        forwarder.pop().close()
     cgroup.remove()
     merged = root / "workspace"
     if layer:
@@ -166,7 +172,12 @@ class Sandbox:
     workdir: Path
     """Host path of the private writable copy of the workspace."""
 
-    def __init__(self, workspace: dict[str, str] | Path, config: SandboxConfig) -> None:
+    def __init__(
+        self,
+        workspace: dict[str, str] | Path | WorkspaceTemplate,
+        config: SandboxConfig,
+        gateway: str | None = None,
+    ) -> None:
         self.config = config
         self._lock = threading.Lock()
         self._closed = False
@@ -178,12 +189,16 @@ class Sandbox:
         self.workdir = self._root / "workspace"
         self._layer: list[tuple[LayerCache, str]] = []
         self._cgroup = Cgroup(config.memory_mb, config.pids)
-        self._finalizer = weakref.finalize(self, _cleanup, self._root, self._cgroup, self._layer)
+        self._forwarder: list[SocketForwarder] = []
+        self._finalizer = weakref.finalize(
+            self, _cleanup, self._root, self._cgroup, self._layer, self._forwarder
+        )
         self._prelude = (
             self._cgroup.join_script()
             + rlimit_script(config, use_nproc=not self._cgroup.has_pids, uid=self.owner)
             + 'exec "$@"\n'
         )
+        self._spare: _Spare | None = None
         try:
             self.mode = self._resolve_mode()
             """``overlay`` or ``copy``: how ``workdir`` was made (``workspace_mode`` after auto)."""
@@ -196,16 +211,33 @@ class Sandbox:
                     _chown_tree(self.workdir, self.owner)
             if self.owner is not None:
                 os.chown(self._root, self.owner, self.owner)
+            self.gateway = gateway
+            """The rollout gateway's URL given at creation (None: commands reach no network at all)."""
+            if gateway is not None:
+                self._forwarder.append(SocketForwarder(gateway, self._root / "run", self.owner))
+            self._spawn_spare()
         except BaseException:
             self.close()
             raise
 
     # ---- backend hooks -------------------------------------------------------------------------
-    def _argv(self, cmd: list[str]) -> list[str]:
+    def _argv(self, cmd: list[str], env: dict[str, str]) -> list[str]:
         raise NotImplementedError
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, env: dict[str, str]) -> dict[str, str]:
         raise NotImplementedError
+
+    # ---- the gateway door ----------------------------------------------------------------------
+    def gateway_url(self) -> str:
+        """The gateway's URL as seen by commands in this sandbox (``OPENAI_BASE_URL``)."""
+        if self.gateway is None:
+            raise SandboxError("this sandbox was created without a gateway; pass gateway=URL")
+        return self.gateway
+
+    def with_gateway(self, cmd: list[str]) -> list[str]:
+        """``cmd`` wrapped so that :meth:`gateway_url` is reachable while it runs."""
+        self.gateway_url()
+        return list(cmd)
 
     def _cwd(self) -> Path:
         return self.workdir
@@ -277,11 +309,64 @@ class Sandbox:
         if proc is not None:  # an exec running in another thread: kill it so it returns and frees the lock
             self._kill_tree(proc)
         with self._lock:
+            self._discard_spare()
             if wait or not self._finalizer.alive:
                 self._finalizer()
                 return
             self._cgroup.kill_all()
             reap_later(self._finalizer)
+
+    # ---- spare launchers -----------------------------------------------------------------------
+    def _spawn_spare(self) -> None:
+        """Start the next command's launcher now: it joins the cgroups (a slow kernel operation, ~10 ms)
+        and sets the rlimits while the sandbox is idle, then waits for its command (bwrap backend only)."""
+        if not self.reports_leftovers or self._closed or self._spare is not None:
+            return
+        status_r, status_w = os.pipe()
+        cmd_r, cmd_w = os.pipe()
+        script = (
+            f"exec 3>&{status_w} {status_w}>&-\n"
+            + self._cgroup.join_script()
+            + rlimit_script(self.config, use_nproc=not self._cgroup.has_pids, uid=self.owner, shell="bash")
+            + f"IFS= read -r -d '' command <&{cmd_r} || [ -n \"$command\" ] || exit 0\n"
+            + f"exec {cmd_r}<&-\n"
+            + 'eval "$command"\n'
+        )
+        try:
+            proc = subprocess.Popen(
+                ["/bin/bash", "-c", script, "tandem-sandbox"],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=self._cwd(),
+                env=self._env({}),
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=(status_w, cmd_r),
+            )
+        except OSError:
+            os.close(status_r)
+            os.close(cmd_w)
+            return
+        finally:
+            os.close(status_w)
+            os.close(cmd_r)
+        self._spare = _Spare(proc, status_r, cmd_w)
+
+    def _discard_spare(self) -> None:
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return
+        os.close(spare.cmd_w)  # EOF: it exits without running anything
+        os.close(spare.status_r)
+        self._kill_tree(spare.proc)
+        for f in (spare.proc.stdout, spare.proc.stderr):
+            if f is not None:
+                f.close()
+        try:
+            spare.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            pass
 
     def __enter__(self) -> Sandbox:
         return self
@@ -294,12 +379,26 @@ class Sandbox:
             raise SandboxError(f"sandbox {self.workdir} is closed; create a new one")
 
     # ---- execution -----------------------------------------------------------------------------
-    def exec(self, cmd: list[str], timeout_s: float | None = None, stdin: str | None = None) -> ExecResult:
-        """Run ``cmd`` (argv list) with cwd = the workspace; a failing command is a result, not an error."""
+    def exec(
+        self,
+        cmd: list[str],
+        timeout_s: float | None = None,
+        stdin: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> ExecResult:
+        """Run ``cmd`` (argv list) with cwd = the workspace; a failing command is a result, not an error.
+
+        ``env`` adds variables to the sandbox's clean environment for this command only."""
         if not isinstance(cmd, (list, tuple)) or not cmd or not all(isinstance(a, str) for a in cmd):
             raise SandboxError(
                 f"command must be a non-empty list of strings, got {cmd!r}; e.g. ['python3', 'test.py']"
             )
+        extra = dict(env or {})
+        for key, value in extra.items():
+            if not isinstance(key, str) or not key or "=" in key or "\x00" in key:
+                raise SandboxError(f"environment variable name {key!r} is invalid")
+            if not isinstance(value, str) or "\x00" in value:
+                raise SandboxError(f"environment variable {key} must be a string without NUL bytes")
         timeout = self.config.timeout_s if timeout_s is None else float(timeout_s)
         if not timeout > 0:
             raise SandboxError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
@@ -308,10 +407,22 @@ class Sandbox:
             self._check_open()
             start = time.monotonic()
             before = self._cgroup.counters()
-            argv = ["/bin/sh", "-c", self._prelude, "tandem-sandbox", *self._argv(list(cmd))]
+            argv = ["/bin/sh", "-c", self._prelude, "tandem-sandbox", *self._argv(list(cmd), extra)]
             status_r, status_w = -1, -1
             stdin: int = subprocess.PIPE if data is not None else subprocess.DEVNULL
-            if self.reports_leftovers:  # the status channel becomes fd 3 of the command's wrapper
+            spare = self._spare if data is None else None
+            if spare is not None and spare.proc.poll() is not None:
+                self._discard_spare()
+                spare = None
+            if spare is not None:  # a launcher already in the cgroups, under the rlimits: hand it the command
+                self._spare = None
+                line = "exec " + " ".join(shlex.quote(a) for a in argv[4:])
+                try:
+                    os.write(spare.cmd_w, line.encode() + b"\0")
+                finally:
+                    os.close(spare.cmd_w)
+                proc, status_r = spare.proc, spare.status_r
+            elif self.reports_leftovers:  # the status channel becomes fd 3 of the command's wrapper
                 status_r, status_w = os.pipe()
                 if data is None:  # it arrives as stdin, which the prelude moves to 3 (dash: fds 0-9 only)
                     argv[2] = "exec 3>&0 </dev/null\n" + argv[2]
@@ -320,23 +431,27 @@ class Sandbox:
                     move = f'exec 3>&{status_w} {status_w}>&-; exec /bin/sh "$@"'
                     argv = ["/bin/bash", "-c", move, "tandem-status", *argv[1:]]
             try:
-                proc = subprocess.Popen(
-                    argv,
-                    stdin=stdin,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    cwd=self._cwd(),
-                    env=self._env(),
-                    start_new_session=True,
-                    close_fds=True,
-                    pass_fds=(status_w,) if status_w >= 0 and data is not None else (),
+                proc = (
+                    spare.proc
+                    if spare is not None
+                    else subprocess.Popen(
+                        argv,
+                        stdin=stdin,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        cwd=self._cwd(),
+                        env=self._env(extra),
+                        start_new_session=True,
+                        close_fds=True,
+                        pass_fds=(status_w,) if status_w >= 0 and data is not None else (),
+                    )
                 )
             except OSError as e:
                 if status_r >= 0:
                     os.close(status_r)
                 raise SandboxError(f"could not start {argv[4:]!r}: {e}") from e
             finally:
-                if status_w >= 0:
+                if status_w >= 0 and spare is None:
                     os.close(status_w)
             self._proc = proc
             self._leftovers = 0
@@ -358,6 +473,7 @@ class Sandbox:
                     self._leftovers = max(self._leftovers, _read_leftovers(status_r))
             duration = time.monotonic() - start
             after = self._cgroup.counters()
+            self._spawn_spare()
         code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
         if code < 0:
             code = 128 - code
@@ -554,6 +670,15 @@ class Sandbox:
                     total += len(raw)
                     out[os.path.relpath(full, self.workdir)] = text
             return out
+
+
+@dataclass
+class _Spare:
+    """A launcher waiting for its command: the process, its status channel and its command pipe."""
+
+    proc: subprocess.Popen[bytes]
+    status_r: int
+    cmd_w: int
 
 
 def _read_leftovers(fd: int) -> int:

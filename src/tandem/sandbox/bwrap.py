@@ -30,10 +30,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from urllib.parse import urlparse
 
 from tandem.core.config import SandboxConfig
 from tandem.core.errors import SandboxError
 from tandem.sandbox.base import Sandbox
+from tandem.sandbox.forward import SANDBOX_DIR, SANDBOX_PORT, launcher_argv
 from tandem.sandbox.limits import agent_uid
 
 WORKSPACE = "/workspace"
@@ -170,20 +172,44 @@ class BwrapSandbox(Sandbox):
 
     backend = "bwrap"
 
-    def __init__(self, workspace: dict[str, str] | Path, config: SandboxConfig) -> None:
+    def __init__(
+        self,
+        workspace: dict[str, str] | Path,
+        config: SandboxConfig,
+        gateway: str | None = None,
+        ro_mounts: list[str] | None = None,
+    ) -> None:
         reason = _probe(agent_uid(config))
+        for m in ro_mounts or []:
+            if not os.path.isabs(m) or not os.path.exists(m):
+                raise SandboxError(f"read-only mount {m!r} must be an existing absolute host path")
         if reason is not None:
             raise SandboxError(
                 f"the bwrap sandbox backend is not usable: {reason}. Install bubblewrap (and allow user "
                 "namespaces), or set sandbox.backend = 'plain' to opt into unisolated execution"
             )
-        super().__init__(workspace, config)
+        super().__init__(workspace, config, gateway)
         self._prefix = bwrap_args(self.workdir, tmp_mb=config.memory_mb, uid=self.owner)
+        if gateway is not None:  # the forwarder's socket directory: the sandbox's one way out
+            at = self._prefix.index("--remount-ro")
+            self._prefix[at:at] = ["--ro-bind", str(self._root / "run"), SANDBOX_DIR]
+        for m in ro_mounts or []:
+            at = self._prefix.index("--remount-ro")
+            self._prefix[at:at] = ["--ro-bind", m, m]
 
     reports_leftovers = True
 
-    def _argv(self, cmd: list[str]) -> list[str]:
-        return [*self._prefix, "/bin/sh", "-c", LEFTOVER_WRAPPER, "tandem-exec", *cmd]
+    def _argv(self, cmd: list[str], env: dict[str, str]) -> list[str]:
+        setenv = [arg for key, value in env.items() for arg in ("--setenv", key, value)]
+        return [*self._prefix[:-1], *setenv, "--", "/bin/sh", "-c", LEFTOVER_WRAPPER, "tandem-exec", *cmd]
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, env: dict[str, str]) -> dict[str, str]:
         return {"PATH": "/usr/bin:/bin"}  # only bwrap itself sees this; --clearenv builds the command's env
+
+    def gateway_url(self) -> str:
+        path = urlparse(super().gateway_url()).path.rstrip("/")
+        return f"http://127.0.0.1:{SANDBOX_PORT}{path}"
+
+    def with_gateway(self, cmd: list[str]) -> list[str]:
+        self.gateway_url()
+        return launcher_argv(list(cmd))

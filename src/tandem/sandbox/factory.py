@@ -18,12 +18,21 @@ from tandem.sandbox.plain import PlainSandbox
 BACKENDS: dict[str, type[Sandbox]] = {"bwrap": BwrapSandbox, "plain": PlainSandbox}
 
 
-def create_sandbox(workspace: dict[str, str] | Path | WorkspaceTemplate, config: SandboxConfig) -> Sandbox:
-    """A new sandbox with a private view of ``workspace`` (files, a directory, or a template of either)."""
+def create_sandbox(
+    workspace: dict[str, str] | Path | WorkspaceTemplate,
+    config: SandboxConfig,
+    gateway: str | None = None,
+    ro_mounts: list[str] | None = None,
+) -> Sandbox:
+    """A new sandbox with a private view of ``workspace`` (files, a directory, or a template of either).
+
+    With ``gateway`` (``http://HOST:PORT/v1``), commands wrapped by :meth:`Sandbox.with_gateway` reach that
+    address, and only that one, at :meth:`Sandbox.gateway_url`. ``ro_mounts`` are host paths made visible
+    read-only at their own paths (bwrap; the plain backend sees the whole host anyway)."""
     try:
         cls = BACKENDS[config.backend]
     except KeyError:
         raise SandboxError(
             f"unknown sandbox backend {config.backend!r}; choose one of {sorted(BACKENDS)}"
         ) from None
-    return cls(workspace, config)
+    return cls(workspace, config, gateway, ro_mounts)

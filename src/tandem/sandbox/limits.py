@@ -216,8 +216,9 @@ def _uid_process_count(uid: int) -> int:
     return n
 
 
-def rlimit_script(config: SandboxConfig, use_nproc: bool, uid: int | None = None) -> str:
-    """Shell lines setting the rlimits of ``config`` (dash ``ulimit``: one limit per call, -f in 512 B).
+def rlimit_script(config: SandboxConfig, use_nproc: bool, uid: int | None = None, shell: str = "sh") -> str:
+    """Shell lines setting the rlimits of ``config`` (``ulimit``: one limit per call; ``shell`` is ``sh``
+    (dash: -f in 512 B blocks, -p processes) or ``bash`` (-f in 1 KiB blocks, -u processes)).
 
     ``uid`` is the uid the command will run as (None: this process's). RLIMIT_NPROC counts every process of
     that uid on the host, and root is exempt from it, so it is only used without a pids cgroup and for a
@@ -227,11 +228,12 @@ def rlimit_script(config: SandboxConfig, use_nproc: bool, uid: int | None = None
     lines = [
         "ulimit -c 0",
         f"ulimit -n {NOFILE}",
-        f"ulimit -f {config.file_mb * 2048}",
+        f"ulimit -f {config.file_mb * (1024 if shell == 'bash' else 2048)}",
         f"ulimit -S -t {config.cpu_s}",
         f"ulimit -H -t {config.cpu_s + 1}",  # SIGXCPU at the soft limit, SIGKILL one second later
         f"ulimit -v {config.memory_mb * 1024}",
     ]
     if use_nproc and uid != 0:
-        lines.append(f"ulimit -p {_uid_process_count(uid) + config.pids}")
+        flag = "-u" if shell == "bash" else "-p"
+        lines.append(f"ulimit {flag} {_uid_process_count(uid) + config.pids}")
     return "".join(f"{line} || exit 125\n" for line in lines)

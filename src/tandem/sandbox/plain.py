@@ -41,13 +41,19 @@ class PlainSandbox(Sandbox):
 
     backend = "plain"
 
-    def __init__(self, workspace: dict[str, str] | Path, config: SandboxConfig) -> None:
+    def __init__(
+        self,
+        workspace: dict[str, str] | Path,
+        config: SandboxConfig,
+        gateway: str | None = None,
+        ro_mounts: list[str] | None = None,
+    ) -> None:
         warn_plain()
-        super().__init__(workspace, config)
+        super().__init__(workspace, config, gateway)
         self._environ = sandbox_env(str(self.workdir), python_prefix())
 
-    def _argv(self, cmd: list[str]) -> list[str]:
+    def _argv(self, cmd: list[str], env: dict[str, str]) -> list[str]:
         return cmd
 
-    def _env(self) -> dict[str, str]:
-        return self._environ
+    def _env(self, env: dict[str, str]) -> dict[str, str]:
+        return {**self._environ, **env}

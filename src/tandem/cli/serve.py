@@ -1,0 +1,147 @@
+"""`tandem serve`: the OpenAI-compatible rollout gateway in front of an inference engine, in the foreground.
+
+Invariants: options are checked before the model is loaded, so a refused configuration fails at once; every
+user error (a non-loopback host without --api-key, an engine that is not available, a missing model
+directory, an address in use) prints one ``error:`` line naming the value and exits with status 2. The
+engine is stopped when the server exits (Ctrl-C or SIGTERM).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+
+from tandem.core.errors import TandemError
+from tandem.engine.gateway.config import GatewayConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+ENGINES = ("builtin", "vllm")
+_DEFAULTS = GatewayConfig()
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _model_dir(path: Path) -> Path:
+    """Relative paths resolve against the working directory first, then the repository root."""
+    if path.is_absolute() or path.exists():
+        return path.resolve() if path.exists() else path
+    candidate = REPO_ROOT / path
+    return candidate if candidate.exists() else path
+
+
+def _gateway_config(**fields: object) -> GatewayConfig:
+    try:
+        return GatewayConfig(**fields)  # type: ignore[arg-type]
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "gateway"
+        _fail(f"{where}: {err['msg'].removeprefix('Value error, ')}")
+        raise  # unreachable: _fail exits
+
+
+def serve(
+    model: Annotated[
+        Path, typer.Option(help="Local HF model directory (config.json, weights, tokenizer).")
+    ] = (Path("models/tandem-base")),
+    engine: Annotated[
+        str, typer.Option(help="Inference engine: builtin (vllm: not available yet).")
+    ] = "builtin",
+    host: Annotated[
+        str, typer.Option(help="Address to listen on; non-loopback needs --api-key.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0 picks a free one).")] = 8000,
+    api_key: Annotated[
+        str | None,
+        typer.Option(envvar="TANDEM_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1 routes."),
+    ] = None,
+    max_concurrent: Annotated[
+        int, typer.Option(help="Chat requests in flight at once; more get 429 with Retry-After.")
+    ] = _DEFAULTS.max_concurrent,
+    max_sessions: Annotated[
+        int, typer.Option(help="Session records kept in memory (least recently used evicted).")
+    ] = _DEFAULTS.max_sessions,
+    max_seq_len: Annotated[
+        int, typer.Option(help="Context length of the engine (prompt + completion).")
+    ] = 1024,
+    max_batch: Annotated[int, typer.Option(help="Sequences decoded together (continuous batching).")] = 64,
+    max_parked: Annotated[
+        int, typer.Option(help="Finished sessions whose KV is kept for their next turn.")
+    ] = 64,
+    threads: Annotated[int, typer.Option(help="Torch threads of the engine.")] = 2,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16.")] = "float32",
+    seed: Annotated[
+        int, typer.Option(help="Engine seed (requests without a seed derive theirs from it).")
+    ] = 0,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "info",
+) -> None:
+    """Serve OpenAI /v1/chat/completions with token-exact session records (/v1/tandem/sessions/ID)."""
+    cfg = _gateway_config(
+        host=host,
+        port=port,
+        api_key=api_key,
+        max_concurrent=max_concurrent,
+        max_sessions=max_sessions,
+        model_name=_model_dir(model).name,
+    )
+    if engine == "vllm":
+        _fail(
+            "--engine vllm: the vLLM engine is not installed/available in tandem yet (tandem.engine.vllm is "
+            "planned, issue 5 item 3); use --engine builtin"
+        )
+    if engine not in ENGINES:
+        _fail(f"--engine {engine!r} is unknown; choose builtin")
+    if max_seq_len < 2 or max_batch < 1 or max_parked < 0 or threads < 1:
+        _fail(
+            f"--max-seq-len ({max_seq_len}) must be >= 2, --max-batch ({max_batch}) and --threads "
+            f"({threads}) >= 1, --max-parked ({max_parked}) >= 0"
+        )
+    path = _model_dir(model)
+    if not path.is_dir() or not (path / "config.json").is_file():
+        _fail(
+            f"--model {str(model)!r} is not a model directory (needs config.json, weights and tokenizer.json)"
+        )
+
+    from tandem.engine.gateway import bind_socket, create_app, run_forever
+
+    try:
+        sock = bind_socket(cfg.host, cfg.port)
+    except OSError as e:
+        _fail(f"cannot listen on {cfg.host}:{cfg.port}: {e}")
+        return
+
+    import torch
+
+    from tandem.core.config import EngineConfig
+    from tandem.engine import BuiltinEngine
+    from tandem.model import load_chat_format
+
+    torch.set_num_threads(threads)
+    try:
+        chat = load_chat_format(path)
+        eng = BuiltinEngine.from_path(
+            path,
+            EngineConfig(
+                max_batch=max_batch, max_seq_len=max_seq_len, max_parked=max_parked, threads=threads
+            ),
+            dtype=dtype,
+            seed=seed,
+        )
+    except TandemError as e:
+        sock.close()
+        _fail(str(e))
+        return
+    app = create_app(eng, chat, chat.tokenizer, cfg)
+    shown = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+    typer.echo(f"serving {cfg.model_name} on http://{shown}:{sock.getsockname()[1]}/v1 (engine {engine})")
+    eng.start()
+    try:
+        run_forever(app, sock, log_level=log_level)
+    finally:
+        eng.stop()
+        sock.close()

@@ -1,0 +1,314 @@
+"""The gateway's FastAPI app: OpenAI ``/v1/chat/completions`` in front of one engine, with session records.
+
+Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+``GET /v1/tandem/sessions/{id}`` (the trajectory record as JSON), ``POST /v1/tandem/sessions/{id}/reward``.
+
+Invariants:
+- Every error is OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}`` with a message that
+  names the field; bad input is a 4xx answer and a counter in ``/health``, never a crash. Engine failures
+  are 500/503/504 answers, counted the same way.
+- With ``config.api_key`` set, every ``/v1`` route needs ``Authorization: Bearer <key>`` (401 otherwise,
+  constant-time comparison); ``/health`` stays open.
+- At most ``config.max_concurrent`` chat requests are in flight; one more gets 429 with ``Retry-After``
+  before its body is read. Counting happens on the event loop thread only (no locks needed).
+- A request with a session id (``X-Tandem-Session`` header, else the ``user`` field) is recorded as described
+  in ``tandem.engine.gateway.sessions``; the prompt sent to the engine is the session's recorded ids plus the
+  new context. Without a session id nothing is recorded.
+- The app never starts or stops the engine: whoever built the engine owns it (several apps may share one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import time
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.core.generation import ChatFormat, Completion, GenerationRequest, SamplingParams
+from tandem.core.records import Reward
+from tandem.engine.gateway.config import GatewayConfig
+from tandem.engine.gateway.protocol import MAX_SESSION_ID, BadRequest, ChatRequest, parse_chat_request
+from tandem.engine.gateway.responses import ResponseBuilder, to_turn
+from tandem.engine.gateway.sessions import Plan, Session, SessionStore, Turn
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+    504: "timeout_error",
+}
+
+
+class Engine(Protocol):
+    """What the gateway needs of an engine (``BuiltinEngine`` has it)."""
+
+    @property
+    def version(self) -> int: ...
+
+    def submit(self, request: GenerationRequest) -> Any: ...  # concurrent Future[Completion]
+
+    def health(self) -> dict[str, Any]: ...
+
+
+def context_length(engine: Any) -> int:
+    """Tokens per sequence the engine holds (prompt + sampled): ``max_seq_len`` or ``config.max_seq_len``."""
+    n = getattr(engine, "max_seq_len", None)
+    return int(n if n is not None else engine.config.max_seq_len)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+
+def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": _TYPES.get(status, "error"), "param": param, "code": None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class _State:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.sessions = SessionStore(config.max_sessions)
+        self.in_flight = 0
+        self.counters = {
+            "requests": 0,
+            "completed": 0,
+            "rejected_429": 0,
+            "bad_request": 0,
+            "unauthorized": 0,
+            "engine_error": 0,
+            "timeout": 0,
+            "tokens_generated": 0,
+        }
+
+
+def create_app(
+    engine: Engine, chat_format: ChatFormat, tokenizer: Any, config: GatewayConfig | None = None
+) -> FastAPI:
+    """The gateway app over ``engine`` (see module invariants). ``tokenizer`` decodes text for responses."""
+    cfg = config or GatewayConfig()
+    model_name = cfg.model_name or "tandem"
+    ctx = context_length(engine)
+    end_of_turn = int(chat_format.stop_token_ids[0])
+    top_lp = int(getattr(engine, "max_top_logprobs", 0))
+    st = _State(cfg)
+    t_start = int(time.time())
+    app = FastAPI(title="tandem gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = st
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        key = {400: "bad_request", 413: "bad_request", 401: "unauthorized", 429: "rejected_429"}.get(e.status)
+        if key:
+            st.counters[key] += 1
+        return _error(e.status, e.message, e.param, e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return _error(e.status_code, f"{e.detail} ({request.method} {request.url.path})", None, e.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:  # a bug: answer, keep serving
+        st.counters["engine_error"] += 1
+        return _error(500, f"internal error: {type(e).__name__}: {e}")
+
+    def check_auth(request: Request) -> None:
+        if cfg.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), cfg.api_key.encode()
+        ):
+            raise ApiError(
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key the "
+                "gateway was started with (--api-key)",
+                None,
+                {"WWW-Authenticate": "Bearer"},
+            )
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        eng = engine.health()
+        body = {
+            "status": "ok" if eng.get("ok", True) else "unavailable",
+            "version": engine.version,
+            "engine": eng,
+            "in_flight": st.in_flight,
+            "sessions": len(st.sessions),
+            "sessions_evicted": st.sessions.evicted,
+            "counters": dict(st.counters),
+        }
+        return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        check_auth(request)
+        card = {"id": model_name, "object": "model", "created": t_start, "owned_by": "tandem"}
+        return JSONResponse({"object": "list", "data": [{**card, "max_model_len": ctx}]})
+
+    @app.get("/v1/tandem/sessions/{sid}")
+    async def get_session(sid: str, request: Request) -> JSONResponse:
+        check_auth(request)
+        return JSONResponse(_session(sid).to_json())
+
+    @app.post("/v1/tandem/sessions/{sid}/reward")
+    async def post_reward(sid: str, request: Request) -> JSONResponse:
+        check_auth(request)
+        session = _session(sid)
+        body = await _json_body(request)
+        value, comps = body.get("value") if isinstance(body, dict) else None, None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ApiError(400, f"value must be a finite number, got {value!r}", "value")
+        comps = body.get("components") or {}
+        if not isinstance(comps, dict) or not all(
+            isinstance(k, str)
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+            for k, v in comps.items()
+        ):
+            raise ApiError(400, "components must map names to finite numbers", "components")
+        session.reward = Reward(float(value), {k: float(v) for k, v in comps.items()})
+        return JSONResponse({"session_id": sid, "reward": session.reward.to_dict()})
+
+    def _session(sid: str) -> Session:
+        s = st.sessions.get(sid)
+        if s is None:
+            raise ApiError(
+                404,
+                f"no session {sid!r}: it never made a request with this id, or it was evicted (the gateway "
+                f"keeps the {cfg.max_sessions} most recently used sessions)",
+                "session_id",
+            )
+        return s
+
+    async def _json_body(request: Request) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > cfg.max_body_bytes:
+            raise ApiError(413, f"request body of {length} bytes exceeds max_body_bytes={cfg.max_body_bytes}")
+        raw = await request.body()
+        if len(raw) > cfg.max_body_bytes:
+            raise ApiError(413, f"request body exceeds max_body_bytes={cfg.max_body_bytes}")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Any:
+        check_auth(request)
+        st.counters["requests"] += 1
+        if st.in_flight >= cfg.max_concurrent:
+            raise ApiError(
+                429,
+                f"too many requests in flight (max_concurrent={cfg.max_concurrent}); retry after "
+                f"{cfg.retry_after_s} s",
+                None,
+                {"Retry-After": str(cfg.retry_after_s)},
+            )
+        st.in_flight += 1
+        try:
+            return await _chat(request)
+        finally:
+            st.in_flight -= 1
+
+    async def _chat(request: Request) -> Any:
+        body = await _json_body(request)
+        try:
+            req = parse_chat_request(body, max_n=cfg.max_n, max_tokens_limit=ctx, max_top_logprobs=top_lp)
+        except BadRequest as e:
+            raise ApiError(e.status, e.message, e.param) from None
+        sid = request.headers.get("x-tandem-session") or req.user
+        if sid is not None and not 0 < len(sid) <= MAX_SESSION_ID:
+            raise ApiError(400, f"session id must be 1-{MAX_SESSION_ID} characters", "X-Tandem-Session")
+        extra: dict[str, Any] | None = None
+        if sid is None:
+            prompt = chat_format.render_prompt(req.messages, req.tools)
+            turns, finishes = await _generate(prompt, req)
+        else:
+            session = st.sessions.open(sid)
+            await session.lock.acquire()
+            while st.sessions.get(sid) is not session:  # discarded or evicted while this request waited
+                session.lock.release()
+                session = st.sessions.open(sid)
+                await session.lock.acquire()
+            try:
+                plan = session.plan(req.messages, req.tools, chat_format, end_of_turn)
+                prompt = plan.prompt_ids
+                t0 = time.perf_counter()
+                turns, finishes = await _generate(prompt, req)
+                session.commit(plan, req.messages, turns, time.perf_counter() - t0)
+                extra = _session_info(session, plan)
+            except BaseException:
+                st.sessions.discard_if_empty(sid)  # a failed first request leaves no empty record
+                raise
+            finally:
+                session.lock.release()
+        st.counters["completed"] += 1
+        st.counters["tokens_generated"] += sum(len(t.token_ids) for t in turns)
+        builder = ResponseBuilder(req, model_name, prompt, engine.version, decode)
+        if req.stream:
+            return StreamingResponse(builder.chunks(turns, finishes, extra), media_type="text/event-stream")
+        return JSONResponse(builder.completion(turns, finishes, extra))  # no FastAPI encoder pass
+
+    def _session_info(session: Session, plan: Plan) -> dict[str, Any]:
+        return {
+            "session": session.id,
+            "segment": len(session.segments),
+            "new_segment": plan.new_segment,
+            "new_segment_reason": plan.reason,
+        }
+
+    async def _generate(prompt: list[int], req: ChatRequest) -> tuple[list[Turn], list[str]]:
+        if len(prompt) >= ctx:
+            raise ApiError(
+                400,
+                f"the prompt is {len(prompt)} tokens but the model's context holds {ctx} (prompt and "
+                "completion together); shorten the messages or start a new session",
+                "messages",
+            )
+        max_new = min(req.max_tokens or cfg.default_max_tokens, ctx - len(prompt))
+        stop_ids = [] if req.ignore_eos else [int(t) for t in chat_format.stop_token_ids]
+        futures = []
+        for i in range(req.n):
+            params = SamplingParams(
+                max_new_tokens=max_new,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                stop_token_ids=list(stop_ids),
+                seed=None if req.seed is None else req.seed + i,
+            )
+            futures.append(asyncio.wrap_future(engine.submit(GenerationRequest(list(prompt), params))))
+        try:
+            done: list[Completion] = await asyncio.wait_for(asyncio.gather(*futures), cfg.request_timeout_s)
+        except TimeoutError:
+            st.counters["timeout"] += 1
+            raise ApiError(
+                504, f"generation took longer than request_timeout_s={cfg.request_timeout_s}"
+            ) from None
+        failed = [c for c in done if c.finish_reason == "error"]
+        if failed:
+            st.counters["engine_error"] += 1
+            healthy = engine.health().get("ok", True)
+            raise ApiError(500 if healthy else 503, f"the engine failed this request: {failed[0].error}")
+        pairs = [to_turn(c, req, chat_format, decode) for c in done]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    return app

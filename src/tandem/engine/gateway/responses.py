@@ -1,0 +1,205 @@
+"""Engine completions to OpenAI chat completion responses (JSON and SSE chunks).
+
+Invariants:
+- ``to_turn`` turns one ``Completion`` into the ``Turn`` a session records and the message the client gets:
+  the ``message`` stored in the turn is exactly what the response carries (content text and tool calls with
+  parsed arguments), so a client that sends the history back unchanged matches the record.
+- Tool calls come from ``ChatFormat.parse_assistant``; malformed calls are dropped from the message and
+  counted (their tokens stay in the record). With ``tool_choice="none"`` nothing is parsed: the content is
+  the raw decoded turn.
+- A stop string cuts the turn's tokens after the first token whose text completes it (token ids, logprobs,
+  versions and top-p log masses alike, so the record holds exactly the tokens up to that one) and the content
+  before the stop string; the finish reason is then "stop".
+- finish_reason: "length" when the engine hit ``max_tokens`` or the context; else "tool_calls" when the
+  message has tool calls; else "stop".
+- Logprobs: the sampler's own logprob of every returned token (the trailing end-of-turn token excluded);
+  the built-in engine has no alternatives to report, so ``top_logprobs`` lists are empty.
+- Streaming sends the finished turn as OpenAI chunks (role, content, one chunk per tool call, finish with
+  the turn's logprobs, an optional usage chunk) then ``data: [DONE]``; the engine does not stream tokens, so
+  the chunks of a request arrive together once its generation is done.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from tandem.core.generation import ChatFormat, Completion
+from tandem.core.records import Message
+from tandem.engine.gateway.protocol import ChatRequest
+from tandem.engine.gateway.sessions import Turn
+
+Decode = Callable[[list[int]], str]
+
+
+def _stop_cut(ids: list[int], stops: list[str], decode: Decode) -> int | None:
+    """Tokens to keep so the text just completes the first stop string, or None when none occurs."""
+    if not stops or not any(s in decode(ids) for s in stops):
+        return None
+    lo, hi = 1, len(ids)
+    while lo < hi:  # smallest prefix whose text contains a stop string
+        mid = (lo + hi) // 2
+        if any(s in decode(ids[:mid]) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def to_turn(c: Completion, req: ChatRequest, chat: ChatFormat, decode: Decode) -> tuple[Turn, str]:
+    """The recorded turn and the OpenAI finish reason of one completion (see module invariants)."""
+    ids, lps, vers = list(c.token_ids), list(c.logprobs), list(c.versions)
+    logmass = list(c.logmass) if getattr(c, "logmass", None) else None
+    stop_ids = set(chat.stop_token_ids)
+    cut = _stop_cut(ids, req.stop, decode)
+    if cut is not None:
+        ids, lps, vers = ids[:cut], lps[:cut], vers[:cut]
+        logmass = logmass[:cut] if logmass is not None else None
+    ended = bool(ids) and ids[-1] in stop_ids
+    body = ids[:-1] if ended else ids
+    calls: list[dict[str, Any]] = []
+    errors: list[str] = []
+    if req.parse_tools:
+        text, calls, errors = chat.parse_assistant(ids)
+    else:
+        text = decode(body)
+    if cut is not None:
+        at = [i for i in (text.find(s) for s in req.stop) if i >= 0]
+        text = text[: min(at)] if at else text
+        finish = "stop"
+    elif c.finish_reason == "length":
+        finish = "length"
+    else:
+        finish = "tool_calls" if calls else "stop"
+    routed = getattr(c, "routed_experts", None)
+    msg = Message("assistant", text, calls)
+    turn = Turn(
+        ids,
+        lps,
+        vers,
+        msg,
+        ended,
+        malformed_calls=len(errors),
+        logmass=logmass,
+        temperature=req.temperature,
+        routed_experts=routed,
+    )
+    return turn, finish
+
+
+def _call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def _tool_calls_json(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": _call_id(),
+            "type": "function",
+            "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)},
+        }
+        for c in calls
+    ]
+
+
+def _logprobs_json(turn: Turn, decode: Decode) -> dict[str, Any]:
+    n = len(turn.token_ids) - int(turn.ended)
+    content = []
+    for tid, lp in zip(turn.token_ids[:n], turn.logprobs[:n], strict=True):
+        tok = decode([tid])
+        content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []})
+    return {"content": content, "refusal": None}
+
+
+class ResponseBuilder:
+    """Builds the JSON body (or the SSE chunks) of one request's answer."""
+
+    def __init__(
+        self, req: ChatRequest, model: str, prompt_ids: list[int], version: int, decode: Decode
+    ) -> None:
+        self.req, self.model, self.prompt_ids, self.decode = req, model, prompt_ids, decode
+        self.id = "chatcmpl-" + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.fingerprint = f"tandem-v{version}"
+
+    def _usage(self, turns: list[Turn]) -> dict[str, int]:
+        done = sum(len(t.token_ids) for t in turns)
+        return {
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": done,
+            "total_tokens": len(self.prompt_ids) + done,
+        }
+
+    def _message(self, turn: Turn) -> dict[str, Any]:
+        m = turn.message
+        msg: dict[str, Any] = {"role": "assistant", "content": m.content or (None if m.tool_calls else "")}
+        if m.tool_calls:
+            msg["tool_calls"] = _tool_calls_json(m.tool_calls)
+        return msg
+
+    def completion(
+        self, turns: list[Turn], finishes: list[str], extra: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        choices = []
+        for i, (turn, finish) in enumerate(zip(turns, finishes, strict=True)):
+            choice: dict[str, Any] = {
+                "index": i,
+                "message": self._message(turn),
+                "logprobs": _logprobs_json(turn, self.decode) if self.req.logprobs else None,
+                "finish_reason": finish,
+            }
+            if self.req.return_token_ids:
+                choice["token_ids"] = list(turn.token_ids)
+            choices.append(choice)
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": choices,
+            "usage": self._usage(turns),
+        }
+        if self.req.return_token_ids:
+            out["prompt_token_ids"] = list(self.prompt_ids)
+        if extra:
+            out["tandem"] = extra
+        return out
+
+    def _chunk(self, choices: list[dict[str, Any]], **more: Any) -> str:
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": choices,
+            **more,
+        }
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def chunks(self, turns: list[Turn], finishes: list[str], extra: dict[str, Any] | None) -> Iterator[str]:
+        for i, (turn, finish) in enumerate(zip(turns, finishes, strict=True)):
+            msg = self._message(turn)
+
+            def ch(delta: dict[str, Any], i: int = i, **kw: Any) -> dict[str, Any]:
+                return {"index": i, "delta": delta, "logprobs": None, "finish_reason": None, **kw}
+
+            yield self._chunk([ch({"role": "assistant", "content": ""})])
+            if msg["content"]:
+                yield self._chunk([ch({"content": msg["content"]})])
+            for k, call in enumerate(msg.get("tool_calls", [])):
+                yield self._chunk([ch({"tool_calls": [{"index": k, **call}]})])
+            lp = _logprobs_json(turn, self.decode) if self.req.logprobs else None
+            last = ch({}, finish_reason=finish, logprobs=lp)  # all of the turn's logprobs, in one chunk
+            if self.req.return_token_ids:
+                last["token_ids"] = list(turn.token_ids)
+            yield self._chunk([last])
+        if self.req.include_usage:
+            yield self._chunk([], usage=self._usage(turns))
+        if extra:
+            yield self._chunk([], tandem=extra)
+        yield "data: [DONE]\n\n"

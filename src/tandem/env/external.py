@@ -1,0 +1,95 @@
+"""Running an external harness command in a task's sandbox and grading what it left (one rollout).
+
+Invariants:
+- The command runs in a fresh sandbox of the task's workspace whose only way out is ``gateway_url`` (see
+  ``tandem.sandbox.forward``), with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``TANDEM_SESSION``,
+  ``TANDEM_TASK`` (the task's user prompt) and ``PYTHONPATH`` (the read-only ``mounts``) in its
+  environment, the workspace as its working directory and ``task.limits.wall_time_s`` as its time limit.
+- The trajectory's segments are the gateway's record of the session (``record(session_id)``), never
+  re-tokenized; empty segments are dropped (``flags["no_requests"]`` when nothing is left).
+- A non-zero exit, a crash, a timeout or a sandbox failure gives ``flags["harness_failed"]`` (or
+  ``sandbox_error``) and reward 0, logged with the tail of the output; otherwise the final workspace is
+  graded by ``tandem.env.reward.score``. Nothing raises for what the harness does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from tandem.core.config import RewardConfig, SandboxConfig
+from tandem.core.records import Reward, Segment, Task, Trajectory
+
+OUTPUT_TAIL_CHARS = 4000
+log = logging.getLogger(__name__)
+
+
+def run_external_session(
+    task: Task,
+    command: list[str],
+    gateway_url: str,
+    api_key: str,
+    session_id: str,
+    mounts: list[str],
+    sandbox_config: SandboxConfig,
+    reward_config: RewardConfig,
+    record: Callable[[str], Trajectory | None],
+) -> Trajectory:
+    """Blocking: sandbox, harness, grading (see module invariants)."""
+    from tandem.env.reward import score, tests_edited, workspace_diff
+    from tandem.sandbox import create_sandbox
+
+    started = time.monotonic()
+    flags = {"harness_failed": False, "sandbox_error": False, "no_requests": False, "tests_edited": False}
+    files = dict(task.workspace)
+    output = ""
+    exit_code = -1
+    prompt = next((m.content for m in task.prompt if m.role == "user"), "")
+    env = {
+        "OPENAI_API_KEY": api_key,
+        "TANDEM_SESSION": session_id,
+        "TANDEM_TASK": prompt,
+        "PYTHONPATH": ":".join(mounts),
+    }
+    try:
+        sandbox = create_sandbox(task.workspace, sandbox_config, gateway=gateway_url, ro_mounts=mounts)
+    except Exception as e:  # noqa: BLE001 - a sandbox failure fails this rollout, not the run
+        flags["sandbox_error"] = True
+        output = f"sandbox error: {e}"
+        sandbox = None
+    if sandbox is not None:
+        try:
+            env["OPENAI_BASE_URL"] = sandbox.gateway_url()
+            result = sandbox.exec(
+                sandbox.with_gateway(list(command)),
+                timeout_s=task.limits.wall_time_s,
+                env=env,
+            )
+            exit_code = result.exit_code
+            flags["harness_failed"] = result.exit_code != 0
+            output = (result.stdout + result.stderr)[-OUTPUT_TAIL_CHARS:]
+            files = sandbox.snapshot()
+        finally:
+            sandbox.close(wait=False)
+    traj = record(session_id)
+    segments = [s for s in (traj.segments if traj else []) if len(s)]
+    flags["no_requests"] = not segments
+    if flags["harness_failed"] or flags["sandbox_error"]:
+        reward = Reward(0.0, {"harness_failed": 1.0})
+        log.warning("harness failed on %s (session %s, exit %d): %s", task.id, session_id, exit_code, output)
+    else:
+        reward = score(task, files, reward_config, sandbox_config)
+    reward.components["harness_exit_code"] = float(exit_code)
+    flags["tests_edited"] = tests_edited(task, files)
+    flags["limit_violation"] = bool(reward.components.get("limit_violation"))
+    return Trajectory(
+        task_id=task.id,
+        segments=segments or [Segment.empty()],
+        reward=reward,
+        flags=flags,
+        timings={"total_s": time.monotonic() - started},
+        tool_stats=dict(traj.tool_stats) if traj else {},
+        messages=list(traj.messages) if traj else [],
+        diff=workspace_diff(task.workspace, files),
+    )

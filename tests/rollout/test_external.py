@@ -1,0 +1,124 @@
+"""External harness rollouts: the example OpenAI-client harness run in real sandboxes against a real gateway
+over the real engine and the shipped model; crashes and hangs fail the rollout, not the run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tandem.core.config import EngineConfig, RunConfig
+from tandem.engine import BuiltinEngine
+from tandem.env.tasks import generate_task
+from tandem.model import load_chat_format
+from tandem.rollout import RolloutWorker
+from tandem.rollout.worker import apply_limits
+from tandem.sandbox import bwrap_available
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = REPO / "models" / "tandem-base"
+HARNESS = REPO / "examples" / "openai_harness.py"
+
+pytestmark = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap is not usable on this machine")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = BuiltinEngine.from_path(MODEL, EngineConfig(max_batch=8, max_seq_len=1024))
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def run_group(engine, command: list[str], wall_time_s: float = 60.0, n: int = 2, **extra):
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"path": str(MODEL)},
+            "rollout": {"harness_command": command, "harness_mounts": [str(HARNESS.parent)], **extra},
+            "tasks": {"wall_time_s": wall_time_s},
+        }
+    )
+
+    async def generate(request):
+        return await asyncio.wrap_future(engine.submit(request))
+
+    async def main():
+        worker = RolloutWorker(generate, load_chat_format(MODEL), cfg)
+        try:
+            task = apply_limits(generate_task("train", 3, 0, 1), cfg)
+            return task, await worker.run_group(task, group_size=n)
+        finally:
+            worker.close()
+
+    return asyncio.run(main())
+
+
+def test_openai_harness_rollouts_are_token_exact_and_graded(engine) -> None:
+    task, group = run_group(engine, ["python3", str(HARNESS)])
+    assert group.task_id == task.id and len(group.trajectories) == 2
+    chat = load_chat_format(MODEL)
+    for t in group.trajectories:
+        assert not t.flags["harness_failed"] and not t.flags["no_requests"], t.reward.components
+        assert "tests_passed" in t.reward.components and 0.0 <= t.reward.value <= 1.0
+        seg = t.segments[0]
+        assert seg.num_sampled > 0
+        # The record starts with exactly the chat format's rendering of what the harness sent.
+        sent = [m for m in t.messages if m.role in ("system", "user")][:2]
+        prompt = chat.render_prompt(sent, json.loads(json.dumps(_harness_tools())))
+        assert seg.token_ids[: len(prompt)].tolist() == prompt
+        sampled = seg.loss_mask.astype(bool)
+        assert (
+            np.isfinite(seg.sampler_logprobs[sampled]).all()
+            and np.isnan(seg.sampler_logprobs[~sampled]).all()
+        )
+
+
+def _harness_tools():
+    sys.path.insert(0, str(HARNESS.parent))
+    try:
+        import openai_harness
+
+        return openai_harness.TOOLS
+    finally:
+        sys.path.pop(0)
+
+
+def test_crashing_and_hanging_harnesses_fail_their_rollout_only(engine) -> None:
+    _, crashed = run_group(engine, ["python3", "-c", "raise SystemExit(3)"], n=1)
+    t = crashed.trajectories[0]
+    assert t.flags["harness_failed"] and t.reward.value == 0.0
+    assert t.reward.components["harness_exit_code"] == 3.0 and t.flags["no_requests"]
+    _, hung = run_group(engine, ["sleep", "1000"], wall_time_s=2.0, n=1)
+    t = hung.trajectories[0]
+    assert t.flags["harness_failed"] and t.reward.value == 0.0
+    assert t.reward.components["harness_exit_code"] == 124.0
+
+
+def test_the_gateway_is_the_harness_only_way_out(engine) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    probe = (
+        "import os, socket, urllib.request, sys\n"
+        "urllib.request.urlopen(urllib.request.Request(os.environ['OPENAI_BASE_URL'] + '/models', "
+        "headers={'Authorization': 'Bearer ' + os.environ['OPENAI_API_KEY']})).read()\n"
+        f"try:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n    sys.exit(7)\n"
+        "except OSError:\n    sys.exit(0)\n"
+    )
+    try:
+        _, group = run_group(engine, ["python3", "-c", probe], n=1)
+    finally:
+        listener.close()
+    t = group.trajectories[0]
+    assert not t.flags["harness_failed"], t.reward.components  # reached the gateway, not the listener
+
+
+def test_bad_mount_is_a_failed_rollout_with_a_clear_reason(engine) -> None:
+    _, group = run_group(engine, ["true"], n=1, harness_mounts=["/no/such/dir-tandem"])
+    assert group.trajectories[0].flags["sandbox_error"]

@@ -1,0 +1,498 @@
+"""The OpenAI-compatible gateway (tandem.engine.gateway) over the real shipped model and BuiltinEngine.
+
+Real uvicorn servers on 127.0.0.1 (ephemeral ports, one per configuration per module), the official ``openai``
+client for the harness side, ``httpx`` for raw bad input. Token exactness is checked against the chat format's
+own rendering and by replaying each recorded prompt on the engine in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+import typer
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from tandem.cli.serve import serve
+from tandem.core.config import EngineConfig, TaskConfig
+from tandem.core.generation import GenerationRequest, SamplingParams
+from tandem.core.records import Trajectory
+from tandem.engine import BuiltinEngine
+from tandem.engine.gateway import GatewayConfig, GatewayServer, SessionStore, create_app, is_loopback
+from tandem.env.sources import tasks_for
+from tandem.env.tasks import TOOLS
+from tandem.model import load_chat_format
+
+MODEL = Path(__file__).resolve().parents[1] / "models" / "tandem-base"
+CTX = 1024
+
+
+@pytest.fixture(scope="module")
+def stack():
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    chat = load_chat_format(MODEL)
+    engine = BuiltinEngine.from_path(MODEL, EngineConfig(max_batch=16, max_seq_len=CTX, max_parked=16))
+    engine.start()
+    yield engine, chat
+    engine.stop()
+    torch.set_num_threads(old)
+
+
+def _server(stack, **cfg):
+    engine, chat = stack
+    config = GatewayConfig(model_name="tandem-base", **cfg)
+    return GatewayServer(create_app(engine, chat, chat.tokenizer, config)).start()
+
+
+@pytest.fixture(scope="module")
+def server(stack):
+    srv = _server(stack, max_concurrent=8, max_sessions=64)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tight(stack):
+    """Two requests in flight, two sessions kept."""
+    srv = _server(stack, max_concurrent=2, max_sessions=2, retry_after_s=3)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed(stack):
+    srv = _server(stack, api_key="sekret")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+def task_messages(k: int = 0) -> list[dict]:
+    task = tasks_for(TaskConfig(), "train", k + 1)[k]
+    return [{"role": m.role, "content": m.content} for m in task.prompt]
+
+
+def record(http: httpx.Client, sid: str) -> dict:
+    r = http.get(f"/v1/tandem/sessions/{sid}")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# ---- token exactness -------------------------------------------------------------------------------------
+
+
+def test_multi_turn_tool_session_is_token_exact(stack, client, http):
+    engine, chat = stack
+    eot = chat.stop_token_ids[0]
+    messages = task_messages()
+    turns = []  # (prompt ids, sampled ids, response logprobs, seed, new messages sent before this turn)
+    new: list[dict] = []
+    for t in range(3):
+        seed = 100 + t
+        resp = client.chat.completions.create(
+            model="tandem-base",
+            messages=messages,
+            tools=TOOLS,
+            max_tokens=120,
+            temperature=0.8,
+            top_p=0.9,
+            seed=seed,
+            logprobs=True,
+            extra_headers={"X-Tandem-Session": "tool-session"},
+            extra_body={"return_token_ids": True},
+        )
+        choice = resp.choices[0]
+        extra = resp.model_extra
+        assert extra["tandem"]["new_segment"] is (t == 0) and extra["tandem"]["new_segment_reason"] is None
+        turns.append(
+            (extra["prompt_token_ids"], choice.model_extra["token_ids"], choice.logprobs.content, seed, new)
+        )
+        assert resp.usage.completion_tokens == len(choice.model_extra["token_ids"])
+        msg = choice.message
+        if t == 0:  # the shipped model answers a task prompt with a tool call
+            assert choice.finish_reason == "tool_calls" and msg.tool_calls
+            call = msg.tool_calls[0]
+            assert call.type == "function" and call.id.startswith("call_")
+            assert call.function.name in {tool["function"]["name"] for tool in TOOLS}
+            assert isinstance(json.loads(call.function.arguments), dict)
+        messages.append(msg.model_dump(exclude_none=True))
+        new = [
+            {"role": "tool", "tool_call_id": c.id, "content": f"ok: {c.function.name} ran (turn {t})"}
+            for c in msg.tool_calls or []
+        ] or [{"role": "user", "content": "Use a tool."}]
+        messages.extend(new)
+
+    rec = record(http, "tool-session")
+    assert rec["segment_reasons"] == [] and len(rec["segments"]) == 1
+    seg = rec["segments"][0]
+    ids, mask, lps, vers = seg["token_ids"], seg["loss_mask"], seg["sampler_logprobs"], seg["versions"]
+    logmass, temps = seg.get("sampler_logmass") or [0.0] * len(ids), seg["sampler_temperature"]
+    # The first prompt is the chat format's rendering; every later prompt is the previous one, the sampled ids
+    # as sampled, and the continuation rendering of only the new messages.
+    assert turns[0][0] == chat.render_prompt(task_messages(), TOOLS)
+    for (p0, s0, _, _, _), (p1, _, _, _, sent) in zip(turns, turns[1:], strict=False):
+        closing = [] if s0[-1] == eot else [eot]
+        assert p1 == p0 + s0 + closing + chat.render_continuation(sent)
+    last_prompt, last_sampled = turns[-1][0], turns[-1][1]
+    assert ids == last_prompt + last_sampled
+    sampled_at = set()
+    for prompt, sampled, logprobs, seed, _ in turns:
+        at = range(len(prompt), len(prompt) + len(sampled))
+        sampled_at.update(at)
+        assert [ids[i] for i in at] == sampled
+        assert [lps[i] for i in at][: len(logprobs)] == pytest.approx([x.logprob for x in logprobs], abs=1e-6)
+        assert all(vers[i] == engine.version for i in at)
+        # The record is what the engine generates from that exact prompt (replayed in-process).
+        params = SamplingParams(120, 0.8, 0.9, list(chat.stop_token_ids), seed)
+        again = engine.submit(GenerationRequest(prompt, params)).result()
+        assert again.token_ids == sampled
+        # recorded like the harness records: top-p log mass and temperature of every sampled token
+        assert [logmass[i] for i in at] == pytest.approx(again.logmass or [0.0] * len(at), abs=1e-5)
+        assert [temps[i] for i in at] == pytest.approx([0.8] * len(at))
+    assert [i for i, m in enumerate(mask) if m] == sorted(sampled_at)
+    outside = [i for i in range(len(ids)) if i not in sampled_at]
+    assert all(lps[i] is None and vers[i] == -1 and temps[i] == 1.0 and logmass[i] == 0.0 for i in outside)
+    traj = Trajectory.from_dict(rec)  # the JSON is the design's trajectory record
+    assert traj.segments[0].num_sampled == len(sampled_at) and math.isnan(
+        traj.segments[0].sampler_logprobs[0]
+    )
+    assert rec["tool_stats"]["turns"] == 3 and rec["flags"]["reward_attached"] is False
+
+    r = http.post("/v1/tandem/sessions/tool-session/reward", json={"value": 0.5, "components": {"tests": 1}})
+    assert r.status_code == 200
+    rec = record(http, "tool-session")
+    assert rec["reward"] == {"value": 0.5, "components": {"tests": 1.0}} and rec["flags"]["reward_attached"]
+
+
+def test_user_field_names_the_session_and_stream_sends_tool_calls(stack, client, http):
+    _, chat = stack
+    stream = client.chat.completions.create(
+        model="x",
+        messages=task_messages(1),
+        tools=TOOLS,
+        max_tokens=120,
+        seed=3,
+        user="streamed",
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    usage = [ch.usage for ch in chunks if ch.usage]
+    assert finish == ["tool_calls"] and calls and calls[0].function.name
+    seg = record(http, "streamed")["segments"][0]
+    assert usage[0].completion_tokens == sum(seg["loss_mask"])
+    raw = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=raw) as r:
+        lines = [x for x in r.iter_lines() if x]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[0][6:])["object"] == "chat.completion.chunk"
+
+
+def test_history_mismatch_starts_a_new_segment_with_a_reason(stack, http):
+    _, chat = stack
+    base = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
+    body = {"max_tokens": 6, "seed": 1, "ignore_eos": True, "return_token_ids": True}
+
+    def ask(sid: str, messages: list[dict]) -> dict:
+        r = http.post(
+            "/v1/chat/completions", json={**body, "messages": messages}, headers={"X-Tandem-Session": sid}
+        )
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    cases = {
+        "edited": lambda a: [
+            *base,
+            {**a, "content": a["content"] + " (edited)"},
+            {"role": "user", "content": "Go"},
+        ],
+        "reordered": lambda a: [base[1], base[0], a, {"role": "user", "content": "Go"}],
+        "truncated": lambda a: list(base),  # the same request again: regenerating the last turn
+        "foreign": lambda a: [*base, a, {"role": "assistant", "content": "I said this."}],
+    }
+    expected = {
+        "edited": "messages[2]",
+        "reordered": "messages[0]",
+        "truncated": "truncated",
+        "foreign": "messages[3]",
+    }
+    for name, make in cases.items():
+        first = ask(name, base)
+        sent = make(first["choices"][0]["message"])
+        second = ask(name, sent)
+        reason = second["tandem"]["new_segment_reason"]
+        assert second["tandem"]["new_segment"] and expected[name] in reason, (name, reason)
+        rec = record(http, name)
+        assert [s["segment"] for s in rec["segment_reasons"]] == [1] and rec["segment_reasons"][0][
+            "reason"
+        ] == reason
+        old, fresh = rec["segments"]
+        assert old["token_ids"] == first["prompt_token_ids"] + first["choices"][0]["token_ids"]
+        # the new segment starts from one rendering of the whole request, never a re-tokenized splice
+        assert second["prompt_token_ids"] == chat.render_prompt(sent, [])
+        assert fresh["token_ids"] == second["prompt_token_ids"] + second["choices"][0]["token_ids"]
+
+    # tools changing mid-session is a mismatch too
+    first = ask("tools", base)
+    r = http.post(
+        "/v1/chat/completions",
+        json={**body, "messages": [*base, first["choices"][0]["message"]], "tools": TOOLS[:1]},
+        headers={"X-Tandem-Session": "tools"},
+    )
+    assert "tools differ" in r.json()["tandem"]["new_segment_reason"]
+
+
+def test_choice_picked_from_n_is_the_one_recorded(http):
+    msgs = [{"role": "user", "content": "Write anything."}]
+    body = {"max_tokens": 8, "temperature": 2.0, "seed": 5, "ignore_eos": True, "return_token_ids": True}
+    body["tool_choice"] = "none"  # raw text: the two choices' messages differ even if they start a tool call
+    hdr = {"X-Tandem-Session": "n2"}
+    first = http.post("/v1/chat/completions", json={**body, "messages": msgs, "n": 2}, headers=hdr).json()
+    a, b = first["choices"]
+    assert a["message"]["content"] != b["message"]["content"]  # seeds seed and seed+1
+    msgs2 = [*msgs, b["message"], {"role": "user", "content": "More."}]
+    second = http.post("/v1/chat/completions", json={**body, "messages": msgs2}, headers=hdr).json()
+    assert second["tandem"]["new_segment"] is False
+    p = first["prompt_token_ids"]
+    assert second["prompt_token_ids"][: len(p) + 8] == p + b["token_ids"]
+    seg = record(http, "n2")["segments"][0]
+    assert seg["loss_mask"][len(p) : len(p) + 8] == [1] * 8
+
+
+def test_stop_string_cuts_the_turn_and_the_session_continues_token_exactly(stack, http):
+    _, chat = stack
+    eot = chat.stop_token_ids[0]
+    hdr = {"X-Tandem-Session": "stop"}
+    body = {"messages": task_messages(2), "tools": TOOLS, "tool_choice": "none", "seed": 9, "max_tokens": 120}
+    first = http.post(
+        "/v1/chat/completions", json={**body, "stop": '"name"', "return_token_ids": True}, headers=hdr
+    )
+    choice = first.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and '"name"' not in choice["message"]["content"]
+    sampled = choice["token_ids"]
+    assert '"name"' in chat.tokenizer.decode(sampled) and '"name"' not in chat.tokenizer.decode(sampled[:-1])
+    assert sampled[-1] != eot
+    tool = {"role": "tool", "content": "ok"}
+    msgs = [*body["messages"], choice["message"], tool]
+    second = http.post(
+        "/v1/chat/completions", json={**body, "messages": msgs, "return_token_ids": True}, headers=hdr
+    ).json()
+    assert second["tandem"]["new_segment"] is False
+    p = first.json()["prompt_token_ids"]
+    # the cut turn is closed with the end-of-turn token as context (not sampled), then the continuation
+    assert second["prompt_token_ids"] == p + sampled + [eot] + chat.render_continuation([tool])
+    mask = record(http, "stop")["segments"][0]["loss_mask"]
+    assert mask[len(p) : len(p) + len(sampled) + 1] == [1] * len(sampled) + [0]
+
+
+def test_without_session_nothing_is_recorded(http):
+    before = http.get("/health").json()["sessions"]
+    r = http.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    )
+    assert r.status_code == 200 and "tandem" not in r.json()
+    assert http.get("/health").json()["sessions"] == before
+    for req in (
+        http.get("/v1/tandem/sessions/nope"),
+        http.post("/v1/tandem/sessions/nope/reward", json={"value": 1}),
+    ):
+        assert req.status_code == 404 and "nope" in req.json()["error"]["message"]
+
+
+def test_models_and_health(http):
+    models = http.get("/v1/models").json()
+    assert models["data"][0]["id"] == "tandem-base"
+    health = http.get("/health").json()
+    assert health["status"] == "ok" and health["engine"]["ok"]
+
+
+# ---- bad input -------------------------------------------------------------------------------------------
+
+USER = [{"role": "user", "content": "hi"}]
+BAD = [
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    (
+        {
+            "messages": [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{not json"}}],
+                }
+            ]
+        },
+        "messages[0].tool_calls[0].function.arguments",
+    ),
+    (
+        {"messages": USER, "tools": [{"type": "function", "function": {"name": "has space"}}]},
+        "tools[0].function.name",
+    ),
+    (
+        {
+            "messages": USER,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+        },
+        "tools[0].function.parameters",
+    ),
+    ({"messages": USER, "tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    (
+        {"messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+    ),
+    ({"messages": [{"role": "user", "content": "word " * 3000}]}, "messages"),
+    ({"messages": USER, "max_tokens": 0}, "max_tokens"),
+    ({"messages": USER, "max_tokens": 5000}, "max_tokens"),
+    ({"messages": USER, "max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"messages": USER, "n": 0}, "n"),
+    ({"messages": USER, "n": 99}, "n"),
+    ({"messages": USER, "temperature": -0.5}, "temperature"),
+    ({"messages": USER, "top_p": 0}, "top_p"),
+    ({"messages": USER, "stream": "yes"}, "stream"),
+    ({"messages": USER, "top_logprobs": 5, "logprobs": True}, "top_logprobs"),
+    ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD, ids=[p for _, p in BAD])
+def test_bad_input_is_400_naming_the_field(http, body, param):
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert param.split("[")[0].split(".")[0] in err["message"]
+
+
+def test_failed_request_leaves_no_session(http):
+    r = http.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "word " * 3000}]},
+        headers={"X-Tandem-Session": "too-long"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert http.get("/v1/tandem/sessions/too-long").status_code == 404
+
+
+def test_malformed_json_and_bad_reward_are_400(http):
+    r = http.post(
+        "/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1, "user": "rw"})
+    r = http.post("/v1/tandem/sessions/rw/reward", json={"value": "high"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "value"
+    r = http.post("/v1/tandem/sessions/rw/reward", json={"value": 1.0, "components": {"x": "y"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "components"
+    assert http.get("/health").json()["counters"]["bad_request"] >= 3
+
+
+def test_openai_client_sees_bad_request_error(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=USER, max_tokens=0)
+    assert "max_tokens" in str(e.value)
+
+
+# ---- limits ----------------------------------------------------------------------------------------------
+
+
+def test_more_concurrent_requests_than_allowed_get_429_and_the_server_stays_up(tight):
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=tight.url, timeout=120) as c:
+            body = {"messages": USER, "max_tokens": 64, "ignore_eos": True}
+            return await asyncio.gather(*(c.post("/v1/chat/completions", json=body) for _ in range(8)))
+
+    codes = [r.status_code for r in asyncio.run(burst())]
+    assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) == {200, 429}, codes
+    rejected = next(r for r in asyncio.run(burst()) if r.status_code == 429)
+    assert rejected.headers["retry-after"] == "3" and rejected.json()["error"]["type"] == "rate_limit_error"
+    assert httpx.get(tight.url + "/health").json()["counters"]["rejected_429"] >= 2
+    r = httpx.post(tight.url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
+
+
+def test_sessions_are_bounded_lru(tight):
+    for sid in ("a", "b", "c"):
+        r = httpx.post(
+            tight.url + "/v1/chat/completions",
+            json={"messages": USER, "max_tokens": 1},
+            headers={"X-Tandem-Session": sid},
+            timeout=60,
+        )
+        assert r.status_code == 200
+    assert httpx.get(tight.url + "/v1/tandem/sessions/a").status_code == 404
+    assert httpx.get(tight.url + "/v1/tandem/sessions/c").status_code == 200
+    health = httpx.get(tight.url + "/health").json()
+    assert health["sessions"] == 2 and health["sessions_evicted"] >= 1
+    store = SessionStore(2)
+    store.open("x"), store.open("y"), store.open("x"), store.open("z")
+    assert store.get("y") is None and store.get("x") is not None and store.evicted == 1
+
+
+# ---- security --------------------------------------------------------------------------------------------
+
+
+def test_api_key_is_required_when_set(keyed):
+    assert httpx.get(keyed.url + "/v1/models").status_code == 401
+    bad = httpx.get(keyed.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+    assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(keyed.url + "/v1/chat/completions", json={"messages": USER})
+    assert r.status_code == 401
+    assert httpx.get(keyed.url + "/v1/tandem/sessions/x").status_code == 401
+    assert httpx.get(keyed.url + "/health").status_code == 200  # open for probes, no secrets in it
+    good = openai.OpenAI(base_url=keyed.url + "/v1", api_key="sekret", max_retries=0)
+    assert good.chat.completions.create(model="m", messages=USER, max_tokens=2).choices[0].finish_reason
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=keyed.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_default_bind_is_loopback_and_open_bind_needs_a_key():
+    assert GatewayConfig().host == "127.0.0.1"
+    with pytest.raises(ValidationError, match="api_key"):
+        GatewayConfig(host="0.0.0.0")
+    assert GatewayConfig(host="0.0.0.0", api_key="k").api_key == "k"
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.com")
+
+
+def test_serve_cli_refuses_bad_starts():
+    app = typer.Typer()
+    app.command()(serve)
+    app.command("other")(lambda: None)  # two commands keep `serve` as a subcommand
+    runner = CliRunner()
+    r = runner.invoke(app, ["serve", "--host", "0.0.0.0", "--model", str(MODEL)])
+    assert r.exit_code == 2 and "not a loopback address" in r.output and "--api-key" in r.output
+    r = runner.invoke(app, ["serve", "--engine", "vllm", "--model", str(MODEL)])
+    assert r.exit_code == 2 and "vLLM engine is not installed/available" in r.output
+    r = runner.invoke(app, ["serve", "--model", "/no/such/model"])
+    assert r.exit_code == 2 and "not a model directory" in r.output
+    r = runner.invoke(app, ["serve", "--help"])
+    assert "127.0.0.1" in r.output
+
+
+def test_session_json_round_trips_through_numpy(http):
+    http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 3, "user": "np"})
+    rec = record(http, "np")
+    seg = Trajectory.from_dict(rec).segments[0]
+    assert seg.token_ids.dtype == np.int32 and len(seg) == len(rec["segments"][0]["token_ids"])
