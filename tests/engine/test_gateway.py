@@ -31,7 +31,7 @@ from tandem.env.sources import tasks_for
 from tandem.env.tasks import TOOLS
 from tandem.model import load_chat_format
 
-MODEL = Path(__file__).resolve().parents[1] / "models" / "tandem-base"
+MODEL = Path(__file__).resolve().parents[2] / "models" / "tandem-base"
 CTX = 1024
 
 
