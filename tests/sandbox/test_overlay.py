@@ -129,3 +129,30 @@ def test_limits_are_reported(cfg: SandboxConfig) -> None:
             bomb = "import os\nfor _ in range(64):\n    os.fork() if os.getpid() else None\n"
             assert "pids" in s.exec(["python3", "-c", bomb]).limits
         assert s.exec(["cat"], stdin="in\n").limits == ()  # the stdin path reports too
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the agent uid exists only when tandem runs as root")
+def test_read_only_mounts_reach_the_sandbox_even_from_private_directories(tmp_path: Path) -> None:
+    cfg = SandboxConfig(timeout_s=20.0)
+    private = Path.home() / f"tandem-mount-test-{os.getpid()}"  # under /root: 0700, unreachable for the uid
+    (private / "pkg").mkdir(parents=True)
+    (private / "pkg" / "helper.py").write_text("VALUE = 42\n")
+    public = tmp_path / "lib"
+    public.mkdir()
+    (public / "other.py").write_text("OTHER = 1\n")
+    try:
+        with create_sandbox({}, cfg, ro_mounts=[str(private / "pkg"), str(public)]) as s:
+            code = "import helper, other; print(helper.VALUE + other.OTHER)"
+            r = s.exec(["python3", "-c", code], env={"PYTHONPATH": f"{private / 'pkg'}:{public}"})
+            assert r.stdout == "43\n", r.stderr
+            write = f"echo x > {private / 'pkg' / 'helper.py'}"
+            assert s.exec(["sh", "-c", write]).exit_code != 0  # read-only
+            root = s.workdir.parent
+            assert mounts_under(root)  # the overlay and the staged bind of the private directory
+        assert not root.exists() and mounts_under(root) == []
+        with pytest.raises(SandboxError, match="existing absolute host path"):
+            create_sandbox({}, cfg, ro_mounts=["relative/path"])
+    finally:
+        (private / "pkg" / "helper.py").unlink()
+        (private / "pkg").rmdir()
+        private.rmdir()

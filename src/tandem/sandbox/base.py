@@ -142,10 +142,9 @@ def _cleanup(
     while forwarder:
         forwarder.pop().close()
     cgroup.remove()
-    merged = root / "workspace"
-    if layer:
+    for point in mounts_under(root):  # the workspace overlay and any read-only binds, deepest first
         try:
-            unmount(merged)
+            unmount(point)
         except OSError:
             pass
     _rmtree(root)

@@ -37,6 +37,7 @@ from tandem.core.errors import SandboxError
 from tandem.sandbox.base import Sandbox
 from tandem.sandbox.forward import SANDBOX_DIR, SANDBOX_PORT, launcher_argv
 from tandem.sandbox.limits import agent_uid
+from tandem.sandbox.overlay import bind_readonly
 
 WORKSPACE = "/workspace"
 ETC_FILES = (
@@ -193,9 +194,26 @@ class BwrapSandbox(Sandbox):
         if gateway is not None:  # the forwarder's socket directory: the sandbox's one way out
             at = self._prefix.index("--remount-ro")
             self._prefix[at:at] = ["--ro-bind", str(self._root / "run"), SANDBOX_DIR]
-        for m in ro_mounts or []:
-            at = self._prefix.index("--remount-ro")
-            self._prefix[at:at] = ["--ro-bind", m, m]
+        try:
+            for i, m in enumerate(ro_mounts or []):
+                source = m
+                if self.owner is not None and not _world_reachable(Path(m)):
+                    # the agent uid cannot reach it (e.g. under a private /root): root binds it into the
+                    # sandbox's own directory first, and bwrap takes it from there
+                    stage = self._root / "mounts" / str(i)
+                    stage.parent.mkdir(exist_ok=True)
+                    if os.path.isdir(m):
+                        stage.mkdir()
+                    else:
+                        stage.touch()
+                    bind_readonly(Path(m), stage)
+                    os.chown(stage.parent, self.owner, self.owner)
+                    source = str(stage)
+                at = self._prefix.index("--remount-ro")
+                self._prefix[at:at] = ["--ro-bind", source, m]
+        except BaseException:
+            self.close()
+            raise
 
     reports_leftovers = True
 

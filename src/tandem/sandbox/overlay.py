@@ -45,6 +45,22 @@ def mount_overlay(lower: Path, upper: Path, work: Path, merged: Path) -> None:
         raise OverlayError(err, f"mounting an overlay at {merged} over {lower} failed: {os.strerror(err)}")
 
 
+MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC = 1, 32, 4096, 16384
+
+
+def bind_readonly(source: Path, target: Path) -> None:
+    """Bind ``source`` at ``target`` (an existing empty directory or file) read-only, as this process (root):
+    the way to hand an unprivileged sandbox a path it could not reach itself (e.g. under a private /root)."""
+    src, dst = os.fsencode(str(source)), os.fsencode(str(target))
+    if _libc.mount(src, dst, None, MS_BIND | MS_REC, None) != 0:
+        err = ctypes.get_errno()
+        raise OverlayError(err, f"bind-mounting {source} at {target} failed: {os.strerror(err)}")
+    if _libc.mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY, None) != 0:
+        err = ctypes.get_errno()
+        unmount(target)
+        raise OverlayError(err, f"making the bind mount of {source} read-only failed: {os.strerror(err)}")
+
+
 def unmount(path: Path) -> None:
     """Detach the mount at ``path`` (lazily); a path that is not a mount point is left alone."""
     if _libc.umount2(os.fsencode(str(path)), MNT_DETACH) != 0:
