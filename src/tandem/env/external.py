@@ -65,6 +65,7 @@ def run_external_session(
                 sandbox.with_gateway(list(command)),
                 timeout_s=task.limits.wall_time_s,
                 env=env,
+                last=True,
             )
             exit_code = result.exit_code
             flags["harness_failed"] = result.exit_code != 0

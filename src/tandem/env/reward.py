@@ -141,7 +141,7 @@ def score(
     try:
         sandbox = create_sandbox(scoring_files(task, files), sandbox_config)
         try:
-            result = sandbox.exec(list(task.test_command))
+            result = sandbox.exec(list(task.test_command), last=True)
         finally:
             sandbox.close(wait=False)  # every process is dead now; unmount and deletion go to the reaper
     except Exception as e:  # noqa: BLE001 - e.g. an agent file the sandbox refuses; scored as a failure

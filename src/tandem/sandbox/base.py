@@ -384,10 +384,12 @@ class Sandbox:
         timeout_s: float | None = None,
         stdin: str | None = None,
         env: dict[str, str] | None = None,
+        last: bool = False,
     ) -> ExecResult:
         """Run ``cmd`` (argv list) with cwd = the workspace; a failing command is a result, not an error.
 
-        ``env`` adds variables to the sandbox's clean environment for this command only."""
+        ``env`` adds variables to the sandbox's clean environment for this command only. ``last=True`` says
+        no command follows, so no spare launcher is started for one (saves its CPU in one-shot sandboxes)."""
         if not isinstance(cmd, (list, tuple)) or not cmd or not all(isinstance(a, str) for a in cmd):
             raise SandboxError(
                 f"command must be a non-empty list of strings, got {cmd!r}; e.g. ['python3', 'test.py']"
@@ -472,7 +474,8 @@ class Sandbox:
                     self._leftovers = max(self._leftovers, _read_leftovers(status_r))
             duration = time.monotonic() - start
             after = self._cgroup.counters()
-            self._spawn_spare()
+            if not last:
+                self._spawn_spare()
         code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
         if code < 0:
             code = 128 - code
