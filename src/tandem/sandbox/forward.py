@@ -28,9 +28,8 @@ SOCKET_NAME = "gateway.sock"
 SANDBOX_PORT = 8000
 """The port the launcher listens on inside the sandbox's own loopback (no host port is used)."""
 
-LAUNCHER = r"""
-import os, socket, subprocess, sys, threading
-port, path, cmd = int(sys.argv[1]), sys.argv[2], sys.argv[4:]
+RELAY = r"""
+import socket
 def pipe(a, b):
     try:
         while True:
@@ -46,6 +45,15 @@ def pipe(a, b):
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+"""
+"""Copies bytes from socket ``a`` to ``b`` until either side ends, then shuts both down (used on the host and,
+as source, inside the sandbox's launcher)."""
+
+LAUNCHER = (
+    RELAY
+    + r"""
+import os, subprocess, sys, threading
+port, path, cmd = int(sys.argv[1]), sys.argv[2], sys.argv[4:]
 def serve(listener):
     while True:
         conn, _ = listener.accept()
@@ -70,6 +78,7 @@ except OSError as e:
 sys.stdout.flush()
 os._exit(code if code >= 0 else 128 - code)
 """
+)
 
 
 def launcher_argv(cmd: list[str], port: int = SANDBOX_PORT) -> list[str]:
@@ -77,21 +86,9 @@ def launcher_argv(cmd: list[str], port: int = SANDBOX_PORT) -> list[str]:
     return ["python3", "-I", "-S", "-c", LAUNCHER, str(port), f"{SANDBOX_DIR}/{SOCKET_NAME}", "--", *cmd]
 
 
-def _relay(a: socket.socket, b: socket.socket) -> None:
-    try:
-        while True:
-            data = a.recv(65536)
-            if not data:
-                break
-            b.sendall(data)
-    except OSError:
-        pass
-    finally:
-        for s in (a, b):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+_namespace: dict[str, object] = {}
+exec(compile(RELAY, "<tandem relay>", "exec"), _namespace)  # the same relay code as inside the sandbox
+_relay = _namespace["pipe"]
 
 
 class SocketForwarder:
