@@ -85,3 +85,21 @@ def test_bench_prefix_reuses_kv_and_rejects_bad_counts():
     assert out["reuse"]["tokens_generated"] == out["no_reuse"]["tokens_generated"]
     r = tandem("bench", "prefix", "--sessions", "0")
     assert r.returncode == 2 and "--sessions" in r.stderr
+
+
+def test_bench_sandbox_json_shape_and_bad_counts():
+    r = tandem(
+        "bench", "sandbox", "--n", "6", "--concurrency", "2", "--pool-size", "2", "--big-mb", "4", "--json"
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["n"] == 6 and out["pool_hits"] + out["pool_misses"] == 6
+    for key in ("p50_ms", "p99_ms", "plain_p50_ms", "per_s", "clone_ms_1mb", "clone_ms_4mb", "targets"):
+        assert key in out, key
+    for args, flag in (
+        (["--n", "0"], "--n"),
+        (["--pool-size", "-1"], "--pool-size"),
+        (["--big-mb", "1"], "--big-mb"),
+    ):
+        r = tandem("bench", "sandbox", *args)
+        assert r.returncode == 2 and flag in r.stderr, r.stderr

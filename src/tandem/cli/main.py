@@ -268,6 +268,11 @@ def bench_sandbox(
     """A burst of sandboxes on copy-on-write clones of a 100 MB workspace vs the same command unsandboxed."""
     from tandem.bench.sandbox import run_sandbox_bench
 
+    for flag, value, low in (("--n", n, 1), ("--concurrency", concurrency, 1), ("--pool-size", pool_size, 0)):
+        if value < low:
+            fail(f"{flag} must be >= {low}, got {value}")
+    if big_mb < 2:
+        fail(f"--big-mb must be >= 2 (the small workspace is 1 MB), got {big_mb}")
     try:
         out = run_sandbox_bench(n=n, concurrency=concurrency, big_mb=big_mb, pool_size=pool_size)
     except (ValueError, TandemError) as e:
