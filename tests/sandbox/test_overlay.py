@@ -156,3 +156,13 @@ def test_read_only_mounts_reach_the_sandbox_even_from_private_directories(tmp_pa
         (private / "pkg" / "helper.py").unlink()
         (private / "pkg").rmdir()
         private.rmdir()
+
+
+def test_a_dead_spare_launcher_falls_back_to_a_fresh_start(cfg: SandboxConfig) -> None:
+    with create_sandbox({"a": "1"}, cfg) as s:
+        assert s._spare is not None  # bwrap sandboxes keep one launcher ready
+        s._spare.proc.kill()
+        s._spare.proc.wait()
+        r = s.exec(["cat", "a"])
+        assert (r.exit_code, r.stdout, r.limits) == (0, "1", ())
+        assert s.exec(["cat", "a"], last=True).stdout == "1" and s._spare is None

@@ -420,10 +420,13 @@ class Sandbox:
                 line = "exec " + " ".join(shlex.quote(a) for a in argv[4:])
                 try:
                     os.write(spare.cmd_w, line.encode() + b"\0")
-                finally:
                     os.close(spare.cmd_w)
-                proc, status_r = spare.proc, spare.status_r
-            elif self.reports_leftovers:  # the status channel becomes fd 3 of the command's wrapper
+                    status_r = spare.status_r
+                except OSError:  # it died in between: discard it and start the command the usual way
+                    self._spare = spare
+                    self._discard_spare()
+                    spare = None
+            if spare is None and self.reports_leftovers:  # the status channel becomes fd 3 of the wrapper
                 status_r, status_w = os.pipe()
                 if data is None:  # it arrives as stdin, which the prelude moves to 3 (dash: fds 0-9 only)
                     argv[2] = "exec 3>&0 </dev/null\n" + argv[2]
