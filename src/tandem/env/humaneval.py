@@ -30,6 +30,7 @@ import functools
 from typing import Any
 
 from tandem.core.records import Message, Task, TaskLimits
+from tandem.env.grader_src import CHILD_END, LITERAL_DECODER
 from tandem.env.tasks import HIDDEN_TEST_FILE, SOLUTION_FILE, SYSTEM_PROMPT, VISIBLE_TEST_FILE, default_limits
 
 PREFIX = "humaneval:"
@@ -37,15 +38,7 @@ N_PROBLEMS = 164
 STUB_BODY = "    raise NotImplementedError\n"
 
 # Shared by grader and child: a literal decoder that also accepts inf/nan (repr of non-finite floats).
-DECODE = """import ast, math
-class _Finite(ast.NodeTransformer):
-    def visit_Name(self, node):
-        if node.id in ("inf", "nan"):
-            return ast.copy_location(ast.Constant(float(node.id)), node)
-        raise ValueError("not a literal: " + node.id)
-def decode(text):
-    return ast.literal_eval(_Finite().visit(ast.parse(text.strip(), mode="eval")))
-"""
+DECODE = LITERAL_DECODER
 
 CHILD = (
     DECODE
@@ -117,20 +110,11 @@ try:
 except BaseException as e:
     print("FAIL check(" + NAME + "): " + repr(type(e).__name__ + ": " + str(e))[:200])
 finally:
-    died = None
-    if ended:  # the solution process closed our channel: learn how it ended (a signal is re-raised below)
-        try:
-            died = child.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            pass
-    child.kill()
-    child.wait()
+    died = reap(child, ended)
 if ok:
     print("PASS check(" + NAME + ")")
 print("RESULT passed=%d total=1" % ok)
-sys.stdout.flush()
-if died is not None and died < 0:
-    os.kill(os.getpid(), -died)  # the sandbox sees the signal that ended the solution (CPU, file size)
+reraise(died)
 sys.exit(0 if ok else 1)
 """
 
@@ -162,7 +146,7 @@ def hidden_test(problem: dict[str, Any]) -> str:
         f"NAME = {problem['entry_point']!r}\nPROMPT = {problem['prompt']!r}\n"
         f"TEST = {problem['test']!r}\nCHILD = {CHILD!r}\n"
     )
-    return consts + DECODE + GRADER
+    return consts + DECODE + CHILD_END + GRADER
 
 
 def visible_test(problem: dict[str, Any]) -> str:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.core.records import Task
+from tandem.env.grader_src import LITERAL_DECODER
 
 CASE_TIMEOUT_S = 2.0
 BUDGET_S = 6.0
@@ -52,15 +53,9 @@ Want = tuple[str, str]
 """``("value", literal repr)`` or ``("raises", exception class name)``."""
 
 # Shared by the grader and by generation (host side): literal decoding and the per-case verdict.
-VERDICT = """import ast
-class _Finite(ast.NodeTransformer):
-    def visit_Name(self, node):
-        if node.id in ("inf", "nan"):
-            return ast.copy_location(ast.Constant(float(node.id)), node)
-        raise ValueError("not a literal: " + node.id)
-def decode(text):
-    return ast.literal_eval(_Finite().visit(ast.parse(text.strip(), mode="eval")))
-def shown(reply):
+VERDICT = (
+    LITERAL_DECODER
+    + """def shown(reply):
     if reply[0] == "X":
         return str(reply[1][0]) + ": " + str(reply[2])
     return str(reply[1])
@@ -81,6 +76,7 @@ def verdict(reply, want):
     except Exception as e:
         return False, "unreadable result (" + type(e).__name__ + ")"
 """
+)
 
 CHILD = """import sys
 sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # its own imports: stdlib, not the repository

@@ -39,6 +39,7 @@ from typing import Any
 from tandem.core.config import TaskConfig
 from tandem.core.records import Message, Task, TaskLimits
 from tandem.env.families import FAMILIES_BY_LEVEL, LEVELS, Args, Family
+from tandem.env.grader_src import CHILD_END
 
 SYSTEM_PROMPT = (
     "You are a coding agent. Tools: read_file(path), write_file(path, content), run(command), "
@@ -98,7 +99,9 @@ sys.exit(0 if p == len(C) else 1)
 
 # The hidden-test grader: the same checks and output as RUNNER, but the solution runs in a child process.
 # Its stdout (the one the reward parses) is written by this process alone; see the module invariants.
-HIDDEN_RUNNER = """import ast, os, subprocess
+HIDDEN_RUNNER = (
+    CHILD_END
+    + """import ast, os, subprocess
 try:
     import ctypes
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE=0: other processes cannot open our fds or memory
@@ -177,20 +180,12 @@ for c, w in C:
         ok, d = False, f"{type(e).__name__}: {e}"
     p += ok
     print(f"PASS {c}" if ok else f"FAIL {c}: {d}"[:160])
-died = None
-if ended:  # the solution process closed our channel: learn how it ended (a signal is re-raised below)
-    try:
-        died = child.wait(timeout=2)
-    except subprocess.TimeoutExpired:
-        pass
-child.kill()
-child.wait()
+died = reap(child, ended)
 print(f"RESULT passed={p} total={len(C)}")
-sys.stdout.flush()
-if died is not None and died < 0:
-    os.kill(os.getpid(), -died)  # the sandbox sees the signal that ended the solution (CPU, file size)
+reraise(died)
 sys.exit(0 if p == len(C) else 1)
 """
+)
 
 
 def _function_source(name: str, args: str, body: str, doc: str | None = None) -> str:
