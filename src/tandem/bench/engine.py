@@ -1,15 +1,25 @@
-"""`tandem bench engine`: the built-in engine against plain ``model.generate`` of transformers.
+"""`tandem bench engine`: the built-in engine, the vLLM engine and plain ``model.generate`` of transformers.
 
-Same model, same batch of prompts, same number of new tokens (no early stop for either), sampling at
-temperature 1. Each side is warmed up once, then timed ``repeats`` times, alternating the two sides, and the
-best time of each counts (the least disturbed by other load on a shared machine); throughput is generated
-tokens per second of wall time, prefill included. The ratio is measured in one process.
+For each model size (the shipped base model's shape, ~5.8M parameters, and ``100m``, ~100M; random weights:
+throughput does not depend on them) every engine gets the same batch of prompts and the same number of new
+tokens (no early stop), sampling at temperature 1. Two numbers per engine:
+
+- ``tokens_per_s``: generated tokens per second of wall time for the whole batch, prefill included;
+- ``ttft_s``: time to first token of the whole batch (the same batch with one new token: prefill-bound).
+
+Each engine is warmed up once, then the engines are timed in turn ``repeats`` times and the best time of each
+counts (the least disturbed by other load on a shared machine), all in one process, so the ratios hold on a
+noisy machine. An engine that cannot run here (vLLM not installed) is reported with its error, not left out.
 This is the one place that changes global torch settings (threads), restored on return.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,21 +29,23 @@ from tandem.core.config import EngineConfig
 from tandem.core.generation import GenerationRequest, SamplingParams
 from tandem.engine.builtin import BuiltinEngine
 
+ENGINES = ("builtin", "vllm", "hf_generate")
+SIZES = ("default", "100m")
 
-def _default_model(seed: int = 0) -> PreTrainedModel:
-    """A random-init Qwen3 of the shipped base model's shape (about 5.8M parameters at vocab 4096)."""
+
+def _random_model(size: str, seed: int = 0) -> PreTrainedModel:
+    """A random-init Qwen3 of a size preset (``tandem.model.build.SIZES``) at vocab 4096."""
     from tandem.model import build_model, qwen3_config
 
-    return build_model(qwen3_config("default", vocab_size=4096), seed).eval()
+    return build_model(qwen3_config(size, vocab_size=4096), seed).eval()
 
 
-def _time_hf(model: PreTrainedModel, prompts: torch.Tensor, new_tokens: int) -> float:
-    attention = torch.ones_like(prompts)
+def _hf_generate(model: PreTrainedModel, prompts: torch.Tensor, new_tokens: int) -> float:
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
             input_ids=prompts,
-            attention_mask=attention,
+            attention_mask=torch.ones_like(prompts),
             do_sample=True,
             temperature=1.0,
             top_p=1.0,
@@ -48,7 +60,7 @@ def _time_hf(model: PreTrainedModel, prompts: torch.Tensor, new_tokens: int) -> 
     return dt
 
 
-def _time_engine(engine: BuiltinEngine, prompts: torch.Tensor, new_tokens: int, seed: int) -> float:
+def _engine_generate(engine: Any, prompts: torch.Tensor, new_tokens: int, seed: int) -> float:
     reqs = [
         GenerationRequest(p, SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=seed + i))
         for i, p in enumerate(prompts.tolist())
@@ -58,63 +70,121 @@ def _time_engine(engine: BuiltinEngine, prompts: torch.Tensor, new_tokens: int, 
     dt = time.perf_counter() - t0
     bad = [c for c in outs if len(c.token_ids) != new_tokens]
     if bad:
-        raise RuntimeError(
-            f"engine returned {len(bad[0].token_ids)} tokens instead of {new_tokens}: {bad[0]}"
-        )
+        got = len(bad[0].token_ids)
+        raise RuntimeError(f"engine returned {got} tokens instead of {new_tokens}: {bad[0]}")
     return dt
+
+
+def _measure_size(
+    size: str,
+    model: PreTrainedModel,
+    model_dir: Path,
+    engines: tuple[str, ...],
+    batch: int,
+    new_tokens: int,
+    prompt_len: int,
+    threads: int,
+    repeats: int,
+) -> dict[str, Any]:
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g)
+    config = EngineConfig(
+        max_batch=max(batch, 1), max_seq_len=prompt_len + new_tokens, threads=threads, max_parked=0
+    )
+    runners: dict[str, Callable[[int, int], float]] = {}
+    errors: dict[str, str] = {}
+    started: list[Any] = []
+    for name in engines:
+        if name == "hf_generate":
+            runners[name] = lambda n, k: _hf_generate(model, prompts, n)
+            continue
+        try:
+            if name == "builtin":
+                eng: Any = BuiltinEngine(model, config, seed=0)
+            else:
+                from tandem.engine.vllm import VllmEngine
+
+                eng = VllmEngine(model_dir, config, seed=0)
+            eng.start()
+        except Exception as e:  # noqa: BLE001 - reported in the result, the others still run
+            errors[name] = f"{type(e).__name__}: {e}"
+            continue
+        started.append(eng)
+        runners[name] = lambda n, k, eng=eng: _engine_generate(eng, prompts, n, seed=k * batch)
+    times: dict[str, list[float]] = {n: [] for n in runners}
+    firsts: dict[str, list[float]] = {n: [] for n in runners}
+    try:
+        for k in range(repeats + 1):  # round 0 is each engine's warm-up
+            for name, fn in runners.items():
+                times[name].append(fn(new_tokens, k))
+                firsts[name].append(fn(1, k))
+    finally:
+        for eng in started:
+            getattr(eng, "close", eng.stop)()
+    total = batch * new_tokens
+    results: list[dict[str, Any]] = []
+    for name in engines:
+        if name in errors:
+            results.append({"engine": name, "error": errors[name]})
+        else:
+            tps = total / min(times[name][1:])
+            ttft = min(firsts[name][1:])
+            results.append({"engine": name, "tokens_per_s": round(tps, 1), "ttft_s": round(ttft, 4)})
+    ok = [r for r in results if "tokens_per_s" in r]
+    return {
+        "size": size,
+        "model_params": sum(p.numel() for p in model.parameters()),
+        "results": results,
+        "fastest_tokens_per_s": max(ok, key=lambda r: r["tokens_per_s"])["engine"] if ok else None,
+        "fastest_ttft": min(ok, key=lambda r: r["ttft_s"])["engine"] if ok else None,
+    }
 
 
 def run(
     model_path: str | None = None,
+    sizes: tuple[str, ...] = SIZES,
+    engines: tuple[str, ...] = ENGINES,
     batch: int = 16,
     new_tokens: int = 64,
     prompt_len: int = 64,
     threads: int = 2,
     repeats: int = 3,
 ) -> dict[str, Any]:
-    """Run the comparison and return the benchmark's JSON object."""
+    """Run the comparison and return the benchmark's JSON object (``model_path``: one real model instead of
+    the random ``sizes``)."""
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown:
+        raise ValueError(f"engines: {unknown[0]!r} is unknown; choose from {', '.join(ENGINES)}")
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
+    out_sizes: list[dict[str, Any]] = []
     try:
         if model_path is not None:
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True).eval()
-        else:
-            model = _default_model()
-        vocab = int(model.get_input_embeddings().weight.shape[0])
-        g = torch.Generator().manual_seed(0)
-        prompts = torch.randint(0, vocab, (batch, prompt_len), generator=g)
-        n_params = sum(p.numel() for p in model.parameters())
-        config = EngineConfig(
-            max_batch=max(batch, 1), max_seq_len=prompt_len + new_tokens, threads=threads, max_parked=0
-        )
-        engine = BuiltinEngine(model, config, seed=0)
-        engine.start()
-        hf_times, eng_times = [], []
-        try:
-            for k in range(repeats + 1):  # round 0 is the warm-up of each side
-                hf_times.append(_time_hf(model, prompts, new_tokens))
-                eng_times.append(_time_engine(engine, prompts, new_tokens, seed=k * batch))
-        finally:
-            engine.stop()
-        hf_dt, eng_dt = min(hf_times[1:]), min(eng_times[1:])
+            args = (engines, batch, new_tokens, prompt_len, threads, repeats)
+            out_sizes.append(_measure_size(Path(model_path).name, model, Path(model_path), *args))
+        for size in () if model_path is not None else sizes:
+            model = _random_model(size)
+            tmp = Path(tempfile.mkdtemp(prefix=f"tandem-bench-{size}-"))
+            try:
+                model.save_pretrained(tmp)  # vLLM loads from a directory
+                args = (engines, batch, new_tokens, prompt_len, threads, repeats)
+                out_sizes.append(_measure_size(size, model, tmp, *args))
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            del model
     finally:
         torch.set_num_threads(old_threads)
-    total = batch * new_tokens
-    eng_tps, hf_tps = total / eng_dt, total / hf_dt
     return {
-        "results": [
-            {"engine": "builtin", "tokens_per_s": round(eng_tps, 1)},
-            {"engine": "hf_generate", "tokens_per_s": round(hf_tps, 1)},
-        ],
-        "speedup_vs_hf_generate": round(eng_tps / hf_tps, 3),
+        "sizes": out_sizes,
         "batch": batch,
         "new_tokens": new_tokens,
         "prompt_len": prompt_len,
         "threads": threads,
         "repeats": repeats,
-        "model_params": n_params,
     }
 
 

@@ -159,23 +159,51 @@ def bench_pipeline(
 @bench_app.command("engine")
 def bench_engine(
     model: Annotated[
-        str | None, typer.Option(help="Model directory (default: the shipped base model).")
+        str | None, typer.Option(help="One real model directory instead of the random --sizes.")
     ] = None,
+    sizes: Annotated[
+        str, typer.Option(help="Comma-separated random-weight sizes: default (~5.8M), 100m (~100M).")
+    ] = "default,100m",
+    engines: Annotated[
+        str, typer.Option(help="Comma-separated engines: builtin, vllm, hf_generate.")
+    ] = "builtin,vllm,hf_generate",
     batch: Annotated[int, typer.Option(help="Prompts per batch.")] = 16,
     new_tokens: Annotated[int, typer.Option(help="New tokens per prompt.")] = 64,
     prompt_len: Annotated[int, typer.Option(help="Prompt length in tokens.")] = 64,
     threads: Annotated[int, typer.Option(help="Torch threads.")] = 2,
+    repeats: Annotated[int, typer.Option(help="Timed rounds after the warm-up (best counts).")] = 3,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Built-in engine vs transformers `model.generate`: same model, prompts and lengths."""
-    from tandem.bench.engine import run
+    """Built-in engine vs vLLM vs transformers `model.generate`: tokens/s and time to first token per size."""
+    from tandem.bench.engine import ENGINES, run
+    from tandem.model.build import SIZES as MODEL_SIZES
 
-    path = resolve_model_path(model or "models/tandem-base")
-    if model is not None or Path(path).is_dir():
+    size_list = tuple(x.strip() for x in sizes.split(",") if x.strip())
+    engine_list = tuple(x.strip() for x in engines.split(",") if x.strip())
+    for name in size_list:
+        if name not in MODEL_SIZES:
+            fail(f"--sizes: {name!r} is unknown; choose from {', '.join(MODEL_SIZES)}")
+    for name in engine_list:
+        if name not in ENGINES:
+            fail(f"--engines: {name!r} is unknown; choose from {', '.join(ENGINES)}")
+    if not engine_list or (model is None and not size_list):
+        fail("--engines and --sizes need at least one entry each")
+    if min(batch, new_tokens, prompt_len, threads, repeats) < 1:
+        fail("--batch, --new-tokens, --prompt-len, --threads and --repeats must be >= 1")
+    path = None
+    if model is not None:
+        path = resolve_model_path(model)
         check_model_path(path)
-    else:
-        path = None
-    out = run(path, batch=batch, new_tokens=new_tokens, prompt_len=prompt_len, threads=threads)
+    out = run(
+        path,
+        sizes=size_list,
+        engines=engine_list,
+        batch=batch,
+        new_tokens=new_tokens,
+        prompt_len=prompt_len,
+        threads=threads,
+        repeats=repeats,
+    )
     typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
 
 

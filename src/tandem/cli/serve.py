@@ -50,7 +50,7 @@ def serve(
         Path, typer.Option(help="Local HF model directory (config.json, weights, tokenizer).")
     ] = (Path("models/tandem-base")),
     engine: Annotated[
-        str, typer.Option(help="Inference engine: builtin (vllm: not available yet).")
+        str, typer.Option(help="Inference engine: builtin | vllm (needs `pip install -e .[vllm]`).")
     ] = "builtin",
     host: Annotated[
         str, typer.Option(help="Address to listen on; non-loopback needs --api-key.")
@@ -89,13 +89,14 @@ def serve(
         max_sessions=max_sessions,
         model_name=_model_dir(model).name,
     )
-    if engine == "vllm":
-        _fail(
-            "--engine vllm: the vLLM engine is not installed/available in tandem yet (tandem.engine.vllm is "
-            "planned, issue 5 item 3); use --engine builtin"
-        )
     if engine not in ENGINES:
-        _fail(f"--engine {engine!r} is unknown; choose builtin")
+        _fail(f"--engine {engine!r} is unknown; choose one of {', '.join(ENGINES)}")
+    if engine == "vllm":
+        from tandem.engine.vllm import vllm_available
+
+        reason = vllm_available()
+        if reason is not None:
+            _fail(f"--engine vllm: {reason}")
     if max_seq_len < 2 or max_batch < 1 or max_parked < 0 or threads < 1:
         _fail(
             f"--max-seq-len ({max_seq_len}) must be >= 2, --max-batch ({max_batch}) and --threads "
@@ -118,16 +119,20 @@ def serve(
     import torch
 
     from tandem.core.config import EngineConfig
-    from tandem.engine import BuiltinEngine
+    from tandem.engine import create_engine
     from tandem.model import load_chat_format
 
     torch.set_num_threads(threads)
     try:
         chat = load_chat_format(path)
-        eng = BuiltinEngine.from_path(
+        eng = create_engine(
             path,
             EngineConfig(
-                max_batch=max_batch, max_seq_len=max_seq_len, max_parked=max_parked, threads=threads
+                kind=engine,
+                max_batch=max_batch,
+                max_seq_len=max_seq_len,
+                max_parked=max_parked,
+                threads=threads,
             ),
             dtype=dtype,
             seed=seed,

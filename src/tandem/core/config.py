@@ -287,6 +287,9 @@ class RewardConfig(Section):
 
 
 class EngineConfig(Section):
+    kind: Literal["builtin", "vllm"] = "builtin"
+    """Inference engine: ``builtin`` (tandem's continuous-batching transformers engine, the CPU default) or
+    ``vllm`` (vLLM's engine; needs ``pip install -e .[vllm]``; refuses top_p < 1, see tandem.engine.vllm)."""
     max_batch: int = 64
     """Most sessions decoded together in one step (continuous batching)."""
     max_seq_len: int = 1024
@@ -298,6 +301,11 @@ class EngineConfig(Section):
     """Torch intra-op threads of each engine process."""
     num_engines: int = 1
     """Number of engine actors."""
+    vllm_kv_cache_gib: int = Field(default=0, ge=0)
+    """vLLM on CPU: GiB of KV cache (0: enough for (max_batch + max_parked) x max_seq_len tokens)."""
+    vllm_cpu_bind: str = "nobind"
+    """vLLM on CPU: VLLM_CPU_OMP_THREADS_BIND ("nobind": share the cores with the trainer; "auto" or a list
+    such as "0-1" pins the engine's OpenMP threads)."""
 
 
 class RolloutConfig(Section):
@@ -370,6 +378,13 @@ class TrainConfig(Section):
     """Inclusive band [low, high] of the ratio kept by `mask_seq`, `mask_geo` and `icepop`."""
     kl_coef: float = 0.0
     """Coefficient of the k3 KL penalty to the initial policy; 0 disables it and skips that forward pass."""
+    router_replay: Literal["off", "r3"] = "off"
+    """Mixture-of-experts models only. `r3`: Rollout Routing Replay ("Stabilizing MoE RL by Aligning Training
+    and Inference Routers", arXiv 2510.11370): the trainer's forward and backward route each token to the
+    top-k experts the sampler chose (``Segment.routed_experts``), weighted by the trainer's own router
+    softmax gathered at those experts, so the router still learns. `off`: the trainer routes by itself.
+    Either way ``train/routing_agreement`` reports the fraction of (token, MoE layer) whose top-k expert set
+    the trainer's router picks equals the sampler's, whenever segments carry routes."""
     threads: int = 1
     """Torch intra-op threads of the trainer process."""
     checkpoint_every: int = 10
@@ -451,6 +466,12 @@ class RunConfig(Section):
             raise ValueError("orchestrator.max_staleness must be >= 0")
         if not 0.0 < self.rollout.top_p <= 1.0:
             raise ValueError("rollout.top_p must be in (0, 1]")
+        if self.engine.kind == "vllm" and self.rollout.top_p < 1.0:
+            raise ValueError(
+                f"rollout.top_p={self.rollout.top_p} with engine.kind='vllm': vLLM does not report the "
+                "probability mass top-p keeps, which the importance ratios need; use rollout.top_p=1.0 or "
+                "engine.kind='builtin'"
+            )
         positive = {
             "tasks.heldout_size": self.tasks.heldout_size, "tasks.max_turns": self.tasks.max_turns,
             "tasks.max_tokens": self.tasks.max_tokens, "tasks.wall_time_s": self.tasks.wall_time_s,
@@ -499,7 +520,38 @@ class RunConfig(Section):
             raise ValueError(f"train.icepop_band must satisfy 0 < low < high, got {list(t.icepop_band)}")
         if self.rollout.temperature <= 0:
             raise ValueError("rollout.temperature must be > 0 (greedy decoding is not a policy to train)")
+        if t.router_replay == "r3":
+            if self.engine.kind != "builtin":
+                raise ValueError(
+                    f"train.router_replay='r3' with engine.kind={self.engine.kind!r}: only the built-in "
+                    "engine records MoE routing for replay; use engine.kind='builtin' or "
+                    "train.router_replay='off'"
+                )
+            moe = model_is_moe(self.model.path)
+            if moe is False:
+                raise ValueError(
+                    f"train.router_replay='r3' needs a mixture-of-experts model, but model.path="
+                    f"{self.model.path!r} has a config.json without experts (num_experts); use "
+                    "train.router_replay='off' for dense models"
+                )
         return self
+
+
+def model_is_moe(path: str | Path) -> bool | None:
+    """Whether the HF model directory ``path`` holds a mixture-of-experts model (``num_experts`` or
+    ``num_local_experts`` and ``num_experts_per_tok`` > 0 in its config.json); None if it cannot be read
+    (checked again when the model is loaded)."""
+    import json
+
+    try:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    experts = cfg.get("num_experts", cfg.get("num_local_experts")) or 0
+    top_k = cfg.get("num_experts_per_tok") or 0
+    return isinstance(experts, int) and isinstance(top_k, int) and experts > 0 and top_k > 0
 
 
 def _parse_value(raw: str) -> Any:

@@ -44,6 +44,9 @@ class Completion:
     logmass: list[float] | None = None
     """Per token, the log of the probability mass the sampler kept (top-p); ``log p_full - logmass`` is the
     token's logprob. None (or all 0.0): nothing was truncated."""
+    routed_experts: Any = None
+    """MoE models on an engine that reports routing: int array [prompt + sampled tokens, moe_layers, top_k]
+    of the experts each token was routed to (for router replay in training); None otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -1,6 +1,23 @@
-"""Layer 2: inference engines. ``BuiltinEngine`` is the built-in transformers engine (CPU default, tests)."""
+"""Layer 2: inference engines. ``BuiltinEngine`` is the built-in transformers engine (CPU default, tests);
+``VllmEngine`` (``tandem.engine.vllm``, the ``vllm`` extra) drives vLLM behind the same interface.
+``create_engine`` picks one by ``EngineConfig.kind``."""
 
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tandem.core.config import EngineConfig
 from tandem.engine.builtin import BuiltinEngine
 from tandem.engine.sampling import sample
 
-__all__ = ["BuiltinEngine", "sample"]
+__all__ = ["BuiltinEngine", "create_engine", "sample"]
+
+
+def create_engine(path: str | Path, config: EngineConfig, *, dtype: str = "float32", seed: int = 0) -> Any:
+    """The engine ``config.kind`` names, loaded from the local model directory ``path`` (not started)."""
+    if config.kind == "vllm":
+        from tandem.engine.vllm import VllmEngine
+
+        return VllmEngine.from_path(path, config, dtype=dtype, seed=seed)
+    return BuiltinEngine.from_path(path, config, dtype=dtype, seed=seed)

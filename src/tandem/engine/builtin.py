@@ -21,6 +21,12 @@ Invariants:
   ``update_weights`` drops every parked slot, so a new request never reuses KV of older weights (sessions
   already running keep theirs, as before). Stats: ``prefill_tokens`` counts tokens actually computed,
   ``prefix_hit_tokens`` tokens reused, ``parked`` slots currently parked.
+- MoE models (top-k routers, ``tandem.model.moe``; served by ``HFRunner``): ``Completion.routed_experts`` is
+  the ``[prompt + sampled tokens, moe_layers, top_k]`` expert ids (uint8, int16 above 256 experts) the
+  engine's forwards chose, in router top-k order. Parked KV keeps its routes with its slot, so a reused
+  prefix reports the routes it was computed with. A finished session's last sampled token is fed once more
+  (one extra single-token forward per completion, MoE only) so it has routes too; its KV then stays parked
+  with the rest.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from transformers import PreTrainedModel
 from tandem.core.config import EngineConfig
 from tandem.core.errors import EngineError, ModelLoadError
 from tandem.core.generation import Completion, GenerationRequest
+from tandem.engine.checks import check_request, convert_patches, convert_tensors
 from tandem.engine.prefix import PrefixCache
 from tandem.engine.runner import FastRunner, HFRunner, Write, apply_writes, fast_supported
 from tandem.engine.sampling import UniformStream, sample
@@ -80,14 +87,6 @@ class _Update:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     pause_s: float = 0.0
-
-
-def _as_values(value: np.ndarray | torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``value``; uint16 data for a floating-point target is read as bfloat16 bit patterns."""
-    t = torch.as_tensor(np.ascontiguousarray(value) if isinstance(value, np.ndarray) else value)
-    if t.dtype == torch.uint16 and target.is_floating_point():
-        t = t.view(torch.bfloat16)
-    return t
 
 
 def _resolve(fut: Future, completion: Completion) -> None:
@@ -228,23 +227,7 @@ class BuiltinEngine:
 
         ``uint16`` arrays for floating-point parameters are bfloat16 bit patterns (the trainer's publish
         format). Returns the pause in seconds (copy plus rebuilding derived buffers: a full reload)."""
-        converted: dict[str, torch.Tensor] = {}
-        for name, value in tensors.items():
-            target = self._targets.get(name)
-            if target is None:
-                raise EngineError(
-                    f"update_weights: unknown tensor {name!r}; names are the model's state_dict keys"
-                )
-            try:
-                t = _as_values(value, target)
-            except (TypeError, ValueError, RuntimeError) as e:
-                raise EngineError(f"update_weights: tensor {name!r} is not a numeric array ({e})") from e
-            if tuple(t.shape) != tuple(target.shape):
-                raise EngineError(
-                    f"update_weights: tensor {name!r} has shape {tuple(t.shape)}, the model expects "
-                    f"{tuple(target.shape)}; nothing was applied"
-                )
-            converted[name] = t
+        converted = convert_tensors(self._targets, tensors)
         update = _Update(int(version), converted)
         self._run_update(update)
         return update.pause_s
@@ -257,24 +240,7 @@ class BuiltinEngine:
         derived buffers are patched element-wise, not rebuilt, so the pause is proportional to the number of
         changed elements. Later tokens carry ``version``. Returns the pause in seconds.
         """
-        converted: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for name, (index, values) in patches.items():
-            target = self._targets.get(name)
-            if target is None:
-                raise EngineError(f"patch_weights: unknown tensor {name!r}; names are the state_dict keys")
-            idx = torch.as_tensor(np.asarray(index, dtype=np.int64))
-            val = _as_values(values, target).to(target.dtype)
-            if idx.dim() != 1 or idx.shape != val.shape:
-                raise EngineError(
-                    f"patch_weights: tensor {name!r} needs 1-D index and values of equal length, got "
-                    f"{tuple(idx.shape)} and {tuple(val.shape)}"
-                )
-            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= target.numel()):
-                raise EngineError(
-                    f"patch_weights: tensor {name!r} has an index outside [0, {target.numel()}); "
-                    "nothing was applied"
-                )
-            converted[name] = (idx, val)
+        converted = convert_patches(self._targets, patches)
         update = _Update(int(version), {}, converted)
         # Index arithmetic now, in the caller's thread: the loop only scatters (unless a full update
         # rebuilt the derived buffers in between, then it re-plans).
@@ -365,25 +331,7 @@ class BuiltinEngine:
 
     def _check(self, req: GenerationRequest) -> str | int:
         """Error message, or the number of new tokens this request may sample."""
-        ids, sp = req.prompt_ids, req.params
-        if len(ids) == 0:
-            return "empty prompt: prompt_ids must hold at least one token id"
-        bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < self.vocab_size]
-        if bad:
-            return f"prompt token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})"
-        room = self.config.max_seq_len - len(ids)
-        if room < 1:
-            return (
-                f"prompt of {len(ids)} tokens leaves no room in max_seq_len={self.config.max_seq_len}; "
-                "shorten the prompt or raise engine.max_seq_len"
-            )
-        if sp.max_new_tokens < 1:
-            return f"max_new_tokens={sp.max_new_tokens} must be >= 1"
-        if sp.temperature < 0:
-            return f"temperature={sp.temperature} must be >= 0 (0 is greedy)"
-        if not 0.0 < sp.top_p <= 1.0:
-            return f"top_p={sp.top_p} must be in (0, 1]"
-        return min(sp.max_new_tokens, room)
+        return check_request(req, self.vocab_size, self.config.max_seq_len)
 
     def _admit(self, admitted: list[_Pending]) -> None:
         fresh: list[_Session] = []
@@ -460,7 +408,11 @@ class BuiltinEngine:
         for slot in sorted(finished, reverse=True):
             s = self._active[slot]
             reason = "stop" if s.tokens[-1] in s.stop else "length"
-            _resolve(s.future, Completion(s.tokens, s.logprobs, s.versions, reason, logmass=s.logmass))
+            completion = Completion(s.tokens, s.logprobs, s.versions, reason, logmass=s.logmass)
+            if self._runner.records_routes:
+                self._runner.feed(slot, s.tokens[-1])
+                completion.routed_experts = self._runner.routes(slot).copy()
+            _resolve(s.future, completion)
             self._remove(slot, [*s.request.prompt_ids, *s.tokens])
 
     def _remove(self, slot: int, sequence: list[int]) -> None:

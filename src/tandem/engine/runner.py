@@ -22,15 +22,23 @@ Invariants:
   attending to them; it returns the logits of each prompt's last token and sets ``lens = start + len``.
   ``decode`` appends one token to each of slots ``0..n-1`` and returns the logits after it.
 - Slots at or beyond the active count may hold parked KV; ``move`` carries a slot's ``lens[src]`` positions.
+- Routing (MoE models, ``HFRunner`` only; ``records_routes``): each slot keeps the top-k expert ids of every
+  position it holds, ``routes(slot)`` = ``[lens[slot], moe_layers, top_k]``; prefix reuse keeps the first
+  ``start`` rows with the KV (parked slots carry their routes), ``move``/``release`` carry/drop them.
+  ``feed(slot, token)`` appends one token without returning logits (the engine feeds a finished session's
+  last sampled token so its routes exist too).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
+
+from tandem.model.moe import RouterHooks, moe_shape, routes_dtype
 
 _FAST_TYPES = {"qwen3", "qwen2", "llama"}
 
@@ -326,15 +334,23 @@ class FastRunner:
     def can_park(self, slot: int) -> bool:
         return True
 
+    records_routes = False  # dense models only (fast_supported)
+
 
 class HFRunner:
-    """Fallback: the HF model's own forward, one session at a time, each with its own cache."""
+    """Fallback: the HF model's own forward, one session at a time, each with its own cache. Records MoE
+    routing per slot when the model has top-k routers (see module invariants)."""
 
     def __init__(self, model: PreTrainedModel, max_slots: int, max_seq_len: int) -> None:
         self.model = model
         self.max_slots, self.max_seq_len = max_slots, max_seq_len
         self.caches: list[object | None] = [None] * max_slots
         self.lens = [0] * max_slots
+        shape = moe_shape(model)
+        self.records_routes = shape is not None
+        self._hooks = RouterHooks(model) if shape is not None else None
+        self._dtype = routes_dtype(shape.num_experts) if shape is not None else np.dtype(np.uint8)
+        self._routes: list[list[np.ndarray]] = [[] for _ in range(max_slots)]  # per slot, chunks of rows
 
     generation = 0
 
@@ -345,36 +361,62 @@ class HFRunner:
         """The HF forward reads the parameters directly: patching them is all there is."""
         return [Write(param.view(-1), flat_index, values)]
 
+    def _forward(self, slot: int, ids: list[int], cache: object | None) -> torch.Tensor:
+        """Run ``ids`` after ``cache`` for ``slot``; append their routes; logits of the last token."""
+        if self._hooks is not None:
+            self._hooks.clear()
+        r = self.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        self.caches[slot] = r.past_key_values
+        if self._hooks is not None:
+            self._routes[slot].append(self._hooks.own().numpy().astype(self._dtype))
+        return r.logits[0, -1].float()
+
     def prefill(
         self, first_slot: int, prompts: list[list[int]], starts: list[int] | None = None
     ) -> torch.Tensor:
         out = []
         for j, p in enumerate(prompts):
+            slot = first_slot + j
             start = starts[j] if starts is not None else 0
-            cache = self.caches[first_slot + j] if start > 0 else None
-            if cache is not None and self.lens[first_slot + j] > start:
-                cache.crop(start - self.lens[first_slot + j])  # negative: drop that many trailing positions
-            r = self.model(input_ids=torch.tensor([p]), past_key_values=cache, use_cache=True)
-            self.caches[first_slot + j] = r.past_key_values
-            self.lens[first_slot + j] = start + len(p)
-            out.append(r.logits[0, -1].float())
+            cache = self.caches[slot] if start > 0 else None
+            if cache is not None and self.lens[slot] > start:
+                cache.crop(start - self.lens[slot])  # negative: drop that many trailing positions
+            kept = self.routes(slot)[:start] if start > 0 and self.records_routes else None
+            self._routes[slot] = [kept] if kept is not None else []
+            out.append(self._forward(slot, p, cache))
+            self.lens[slot] = start + len(p)
         return torch.stack(out)
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         out = []
         for s in range(tokens.shape[0]):
-            r = self.model(input_ids=tokens[s].view(1, 1), past_key_values=self.caches[s], use_cache=True)
-            self.caches[s] = r.past_key_values
+            out.append(self._forward(s, [int(tokens[s])], self.caches[s]))
             self.lens[s] += 1
-            out.append(r.logits[0, -1].float())
         return torch.stack(out)
+
+    def feed(self, slot: int, token: int) -> None:
+        """Append ``token`` to ``slot`` (KV and routes) without sampling after it."""
+        self._forward(slot, [int(token)], self.caches[slot])
+        self.lens[slot] += 1
+
+    def routes(self, slot: int) -> np.ndarray:
+        """Expert ids of the positions ``slot`` holds: ``[lens[slot], moe_layers, top_k]``."""
+        chunks = self._routes[slot]
+        if len(chunks) > 1:
+            self._routes[slot] = chunks = [np.concatenate(chunks)]
+        if not chunks:
+            shape = self._hooks.shape if self._hooks is not None else None
+            return np.zeros((0, shape.layers if shape else 0, shape.top_k if shape else 0), self._dtype)
+        return chunks[0]
 
     def move(self, src: int, dst: int) -> None:
         self.caches[dst], self.caches[src] = self.caches[src], None
         self.lens[dst], self.lens[src] = self.lens[src], 0
+        self._routes[dst], self._routes[src] = self._routes[src], []
 
     def release(self, slot: int) -> None:
         self.caches[slot], self.lens[slot] = None, 0
+        self._routes[slot] = []
 
     def can_park(self, slot: int) -> bool:
         """Reuse needs a cache that can drop trailing positions (HF ``DynamicCache.crop``)."""

@@ -12,6 +12,11 @@ Invariants:
 - Scoring happens in a fresh sandbox on a snapshot of the agent's workspace (see ``tandem.env.reward``).
 - The trajectory carries the agent's full diff against ``task.workspace`` (``Trajectory.diff``) and
   ``flags["tests_edited"]`` (a protected file changed or a file named like a hidden test added).
+- MoE routing: when the engine reports ``Completion.routed_experts``, the segment's ``routed_experts`` are
+  those of the last turn (its prompt is the whole segment so far, so they cover every token up to its last
+  sampled one). Observation tokens appended after the last turn were never forwarded by the engine; their
+  rows hold experts ``0..top_k-1`` as filler (they condition no sampled token, so replay and the routing
+  agreement metric never depend on them).
 """
 
 from __future__ import annotations
@@ -22,11 +27,29 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
+
 from tandem.core.config import RewardConfig, SandboxConfig
 from tandem.core.generation import ChatFormat, Completion, GenerationRequest, SamplingParams
 from tandem.core.records import Message, Reward, SegmentBuilder, Task, Trajectory
 
 GenerateFn = Callable[[GenerationRequest], Awaitable[Completion]]
+
+
+def segment_routes(routes: Any, covered: int, length: int) -> np.ndarray | None:
+    """The segment's ``[length, layers, top_k]`` routes from a completion's routes over its first ``covered``
+    tokens (filler rows after them, see module invariants); None when there are none or they do not cover
+    exactly ``covered`` tokens."""
+    if routes is None:
+        return None
+    r = np.asarray(routes)
+    if r.ndim != 3 or len(r) != covered or covered > length:
+        return None
+    if r.dtype not in (np.uint8, np.int16):  # e.g. a list from another engine: store compactly
+        r = r.astype(np.uint8 if r.size == 0 or (r.min() >= 0 and r.max() < 256) else np.int16)
+    filler = np.broadcast_to(np.arange(r.shape[2], dtype=r.dtype), (length - covered, *r.shape[1:]))
+    return np.concatenate([r, filler])
+
 
 NO_TOOL_CALL = "error: your reply contained no tool call; reply with a <tool_call> (for example submit)"
 
@@ -63,6 +86,8 @@ async def run_session(
     messages: list[Message] = list(task.prompt)
     builder = SegmentBuilder()
     builder.add_context(chat.render_prompt(task.prompt, tools))
+    routes: Any = None  # of the last turn, over its first ``covered`` tokens
+    covered = 0
     files: dict[str, str] = dict(task.workspace)
 
     # The sandbox starts while the engine writes the first turn: its start latency is hidden.
@@ -110,6 +135,7 @@ async def run_session(
                 completion.logmass or None,
                 params.temperature,
             )
+            routes, covered = completion.routed_experts, len(builder)
             stats["turns"] += 1
             text, calls, errors = chat.parse_assistant(completion.token_ids)
             messages.append(Message("assistant", text, calls))
@@ -174,9 +200,11 @@ async def run_session(
     flags["tests_edited"] = tests_edited(task, files)
     flags["limit_violation"] = bool(reward.components.get("limit_violation"))
     timings["total_s"] = time.monotonic() - started
+    segment = builder.build()
+    segment.routed_experts = segment_routes(routes, covered, len(segment))
     return Trajectory(
         task_id=task.id,
-        segments=[builder.build()],
+        segments=[segment],
         reward=reward,
         flags=flags,
         timings=timings,

@@ -2,6 +2,8 @@
 
 Invariants: ``qwen3_config(preset, vocab_size)`` is a pure function; models tie input and output embeddings;
 ``build_model`` initialises weights from ``seed`` only (same seed, same config -> identical weights).
+Presets in ``SIZES`` are dense ``Qwen3ForCausalLM``; presets in ``MOE_SIZES`` are mixture-of-experts
+``Qwen3MoeForCausalLM`` (every layer sparse; see ``tandem.model.moe`` for routing).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 from tandem.model.chat import EOT
 
 # Qwen3ForCausalLM sizes. "default" is the shipped tandem-base (~5.8M params at vocab 4096); "smoke" is a
-# toy for tests that trains in seconds.
+# toy for tests that trains in seconds; "100m" (~100M params at vocab 4096) is for engine benchmarks.
 SIZES: dict[str, dict[str, Any]] = {
     "default": dict(
         hidden_size=256,
@@ -31,16 +33,48 @@ SIZES: dict[str, dict[str, Any]] = {
         intermediate_size=128,
         max_position_embeddings=256,
     ),
+    "100m": dict(
+        hidden_size=768,
+        num_hidden_layers=13,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=2560,
+        max_position_embeddings=1024,
+    ),
+}
+
+
+# Qwen3MoeForCausalLM sizes. "moe": a tiny MoE (~1.4M params at vocab 4096, 8 experts, top-2) for tests and
+# router-replay runs on a CPU.
+MOE_SIZES: dict[str, dict[str, Any]] = {
+    "moe": dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=1024,
+    ),
 }
 
 
 def qwen3_config(preset: str = "default", vocab_size: int = 4096, eos_token_id: int = 0):  # -> Qwen3Config
-    """The ``Qwen3Config`` of a size preset (``default`` or ``smoke``) for a tokenizer of ``vocab_size``."""
-    from transformers import Qwen3Config
+    """The ``Qwen3Config`` of a size preset (``SIZES``) for a tokenizer of ``vocab_size``; the
+    ``Qwen3MoeConfig`` for a ``MOE_SIZES`` preset."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
-    if preset not in SIZES:
-        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(SIZES)}")
-    return Qwen3Config(
+    if preset not in SIZES and preset not in MOE_SIZES:
+        raise ValueError(
+            f"unknown model preset {preset!r}; choose one of {sorted(SIZES) + sorted(MOE_SIZES)}"
+        )
+    cls = Qwen3MoeConfig if preset in MOE_SIZES else Qwen3Config
+    return cls(
         vocab_size=vocab_size,
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
@@ -51,18 +85,20 @@ def qwen3_config(preset: str = "default", vocab_size: int = 4096, eos_token_id: 
         eos_token_id=eos_token_id,
         pad_token_id=eos_token_id,
         use_cache=True,
-        **SIZES[preset],
+        **(MOE_SIZES[preset] if preset in MOE_SIZES else SIZES[preset]),
     )
 
 
-def build_model(config: Any, seed: int = 0):  # -> Qwen3ForCausalLM
-    """A freshly initialised ``Qwen3ForCausalLM`` (float32, train mode) seeded by ``seed``."""
+def build_model(config: Any, seed: int = 0):  # -> Qwen3ForCausalLM | Qwen3MoeForCausalLM
+    """A freshly initialised ``Qwen3ForCausalLM`` (``Qwen3MoeForCausalLM`` for a MoE config; float32, train
+    mode) seeded by ``seed``."""
     import torch
-    from transformers import Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
+    cls = Qwen3MoeForCausalLM if config.model_type == "qwen3_moe" else Qwen3ForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
+        model = cls(config)
     return model.float()
 
 
@@ -71,4 +107,4 @@ def num_params(model: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["EOT", "SIZES", "build_model", "num_params", "qwen3_config"]
+__all__ = ["EOT", "MOE_SIZES", "SIZES", "build_model", "num_params", "qwen3_config"]

@@ -44,13 +44,13 @@ def _set_threads(n: int) -> None:
 
 @ray.remote(num_cpus=0)
 class EngineActor:
-    """Serves ``generate`` for rollout workers from one built-in engine; applies verified weight updates."""
+    """Serves ``generate`` for rollout workers from one engine (``engine.kind``); applies verified updates."""
 
     def __init__(self, cfg: RunConfig, seed: int = 0, weight_urls: list[str] | None = None) -> None:
         _set_threads(cfg.engine.threads)
-        from tandem.engine import BuiltinEngine
+        from tandem.engine import create_engine
 
-        self.engine = BuiltinEngine.from_path(cfg.model.path, cfg.engine, dtype=cfg.model.dtype, seed=seed)
+        self.engine = create_engine(cfg.model.path, cfg.engine, dtype=cfg.model.dtype, seed=seed)
         self.engine.start()
         self.weight_sync = None
         if weight_urls:

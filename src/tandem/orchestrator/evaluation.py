@@ -23,7 +23,7 @@ def eval_model(
     """Evaluate ``model_path`` on ``split`` and return ``{"pass@1", "n", ...}``."""
     import torch
 
-    from tandem.engine import BuiltinEngine
+    from tandem.engine import create_engine
     from tandem.env.sources import tasks_for
     from tandem.model import load_chat_format
     from tandem.rollout import RolloutWorker, evaluate
@@ -33,7 +33,7 @@ def eval_model(
         raise ValueError(f"--split must be 'heldout' or 'train', got {split!r}")
     torch.set_num_threads(max(1, cfg.engine.threads))
     chat = load_chat_format(model_path)
-    engine = BuiltinEngine.from_path(model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.train.seed)
+    engine = create_engine(model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.train.seed)
     engine.start()
     n = n_tasks or cfg.tasks.heldout_size
     tasks = [apply_limits(t, cfg) for t in tasks_for(cfg.tasks, split, n)]
@@ -46,7 +46,7 @@ def eval_model(
     try:
         result = asyncio.run(evaluate(worker, tasks, spt, ks, cfg.eval.temperature, concurrency=16))
     finally:
-        engine.stop()
+        getattr(engine, "close", engine.stop)()  # close: the vLLM engine also frees its engine core
     result["model"] = model_path
     result["split"] = split
     return result

@@ -184,6 +184,13 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
                 f"IS ESS {avg(last, 'train/mismatch_ess'):.4f}"
                 + ("" if result.mismatch_pairs else " (no token was trained in the last steps: no scatter)")
             )
+        routed = [r for r in last if "train/routing_agreement" in r]
+        if routed:  # MoE: see tandem.train.routing
+            lines.append(
+                f"- MoE routing agreement (trainer top-k expert set = sampler's), last fifth: "
+                f"{avg(routed, 'train/routing_agreement'):.4f}; routes recorded for "
+                f"{avg(routed, 'train/routes_recorded_frac'):.3f} of forwarded tokens"
+            )
     if result.eval_before and result.eval_after:
         b, a = result.eval_before["pass@1"], result.eval_after["pass@1"]
         lines.append(

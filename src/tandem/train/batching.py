@@ -17,6 +17,10 @@ Invariants:
 - The first token of every sequence has nothing to condition on inside its sequence: its logprob is 0 and its
   loss_mask is forced to 0 (a segment never starts with a sampled token in practice).
 - Packing is deterministic: same inputs, same micro-batches (first-fit decreasing, ties in input order).
+- MoE routes travel with their tokens: a row holds ``routed_experts [L, moe_layers, top_k]`` when any of its
+  segments has routes (``routes_known`` is False on the tokens of segments without, whose rows are filler),
+  else None. ``routes_scored`` marks the tokens whose routing can change a trained logprob: known routes
+  before the last trained token of their sequence.
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ class MicroBatch:
     seq_ids: list[int]  # the sequences in this row, in order
     sampler_logmass: torch.Tensor | None = None  # float32 [L], top-p kept log mass; None: all 0
     temperature: torch.Tensor | None = None  # float32 [L], sampling temperature of each token; None: all 1
+    routed_experts: torch.Tensor | None = None  # int64 [L, moe_layers, top_k], the sampler's expert ids
+    routes_known: torch.Tensor | None = None  # bool [L], False where a segment had no routes (filler)
+    routes_scored: torch.Tensor | None = None  # bool [L], known routes before a later trained token
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +117,7 @@ def pack(sequences: list[SequenceInput], micro_batch_tokens: int) -> list[MicroB
             )
         logmass = np.concatenate(lmass).astype(np.float32)
         temperature = np.concatenate(temp).astype(np.float32)
+        routes = _pack_routes([sequences[k].segment for k in seq_ids], mask)
         out.append(
             MicroBatch(
                 input_ids=torch.from_numpy(np.concatenate(ids))[None],
@@ -121,9 +129,42 @@ def pack(sequences: list[SequenceInput], micro_batch_tokens: int) -> list[MicroB
                 seq_ids=list(seq_ids),
                 sampler_logmass=torch.from_numpy(logmass) if logmass.any() else None,
                 temperature=torch.from_numpy(temperature) if (temperature != 1.0).any() else None,
+                **routes,
             )
         )
     return out
+
+
+def _pack_routes(segments: list[Segment], masks: list[np.ndarray]) -> dict[str, torch.Tensor]:
+    """The routing fields of one row (see module invariants); empty when no segment has routes."""
+    given = [None if s.routed_experts is None else np.asarray(s.routed_experts) for s in segments]
+    shapes = {r.shape[1:] for r in given if r is not None}
+    if not shapes:
+        return {}
+    if any(len(sh) != 2 for sh in shapes):
+        raise ValueError(f"routed_experts must be [tokens, moe_layers, top_k], got shapes {sorted(shapes)}")
+    if len(shapes) > 1:
+        raise ValueError(
+            f"segments packed together have routes of different [layers, top_k]: {sorted(shapes)}"
+        )
+    layers, k = shapes.pop()
+    rows, known, scored = [], [], []
+    for seg, r, m in zip(segments, given, masks, strict=True):
+        n = len(seg)
+        if r is not None and r.shape[0] != n:
+            raise ValueError(
+                f"routed_experts has shape {r.shape}, the segment has {n} tokens; expected ({n}, ...)"
+            )
+        has = r is not None
+        rows.append(r.astype(np.int64) if has else np.broadcast_to(np.arange(k), (n, layers, k)))
+        known.append(np.full(n, has))
+        trained = np.flatnonzero(m)
+        scored.append(np.arange(n) < (trained[-1] if len(trained) and has else 0))
+    return {
+        "routed_experts": torch.from_numpy(np.ascontiguousarray(np.concatenate(rows), dtype=np.int64)),
+        "routes_known": torch.from_numpy(np.concatenate(known)),
+        "routes_scored": torch.from_numpy(np.concatenate(scored)),
+    }
 
 
 @dataclass

@@ -34,6 +34,10 @@ Invariants:
 - ``publish_state`` is the one seam through which weights leave the trainer: a dict of fresh numpy arrays
   (never views of live parameters) by HF state-dict name; tied weights appear once.
 - Same checkpoint + same groups => bitwise the same next weights (model, optimizer, version, RNG restored).
+- MoE (``tandem.train.routing``): segments' ``routed_experts`` are validated before any forward (shape
+  ``[tokens, moe_layers, top_k]`` of the model, else ValueError naming the shape); with
+  ``train.router_replay = "r3"`` every policy forward (old-logprob pass and gradient passes) replays them;
+  ``routing_agreement`` / ``routes_recorded_frac`` are measured in the same pass as the mismatch metrics.
 
 Global state: the constructor calls ``torch.manual_seed(config.seed)`` and
 ``torch.set_num_threads(config.threads)``; ``load_checkpoint`` restores the torch, numpy and Python global RNG
@@ -63,6 +67,7 @@ from tandem.train.advantages import group_advantages, is_zero_variance
 from tandem.train.batching import LogprobOutput, MicroBatch, SequenceInput, pack, token_logprobs
 from tandem.train.checkpoint import atomic_dir, read_state, write_state
 from tandem.train.loss import LOSS_FUNCTIONS, Correction, clip_range
+from tandem.train.routing import TrainerRouting, routing_metrics
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +163,7 @@ class Trainer:
         torch.manual_seed(config.seed)
         self.model = load_causal_lm(self.model_path)
         self.model.eval()
+        self.routing = TrainerRouting(self.model, config.router_replay)
         self.ref_model: PreTrainedModel | None = None
         if config.kl_coef != 0.0:
             self.ref_model = load_causal_lm(self.model_path)  # the initial policy, also after a resume
@@ -183,6 +189,10 @@ class Trainer:
             raise ValueError("Trainer.step got an empty list of groups; pass at least one Group")
         t0 = time.perf_counter()
         cfg = self.config
+        for gi, g in enumerate(groups):  # bad routes fail the step before anything changes
+            for ti, t in enumerate(g.trajectories):
+                for si, seg in enumerate(t.segments):
+                    self.routing.check(seg, f"group {gi} ({g.task_id}) trajectory {ti} segment {si}")
         # Dropping zero-advantage trajectories is free only when their tokens can change nothing else: no KL
         # term, and no masking correction (whose denominator needs each trajectory's unmasked token count).
         drop_zero = cfg.kl_coef == 0.0 and not self.correction.masks
@@ -244,7 +254,7 @@ class Trainer:
             # Old logprobs under the weights before the first update, from a no-grad pass.
             with torch.no_grad():
                 for mbs, _ in packed:
-                    olds.append([self._observe(token_logprobs(self.model, mb, True), mb, acc) for mb in mbs])
+                    olds.append([self._observe(self._logprobs(mb, True, acc), mb, acc) for mb in mbs])
         weighted = {"clip_frac": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0, "kl_ref": 0.0}
         if self.correction.kind == "tis":
             weighted.update(is_weight_mean=0.0, is_clipped_frac=0.0)
@@ -259,7 +269,7 @@ class Trainer:
                 denom = 1.0 if masks else n
                 kept = update_loss = 0.0
                 for j, mb in enumerate(mbs):
-                    out = token_logprobs(self.model, mb, with_entropy=single)
+                    out = self._logprobs(mb, single, acc if single else None)
                     lp = out.logprobs
                     # With one update per step the old logprobs equal this forward pass exactly, so they are
                     # taken from it (detached) instead of from a second, bit-identical no-grad pass.
@@ -298,6 +308,7 @@ class Trainer:
         n = max(trained, 1)
         metrics.update({k: v / max(w_tokens, 1.0) for k, v in weighted.items()})
         metrics.update(_mismatch_metrics(acc))
+        metrics.update(routing_metrics(acc))
         metrics.update(
             loss=loss_sum / max(updates, 1),
             grad_norm=norm_sum / max(updates, 1),
@@ -308,6 +319,11 @@ class Trainer:
             updates=updates,
             is_masked_frac=masked / max(masked + w_tokens, 1.0),
         )
+
+    def _logprobs(self, mb: MicroBatch, with_entropy: bool, acc: dict[str, Any] | None) -> LogprobOutput:
+        """The policy's token logprobs of ``mb`` (routes replayed under r3; routing metrics into ``acc``)."""
+        with self.routing.forward(mb, acc):
+            return token_logprobs(self.model, mb, with_entropy=with_entropy)
 
     @staticmethod
     def _observe(out: LogprobOutput, mb: MicroBatch, acc: dict[str, Any]) -> torch.Tensor:

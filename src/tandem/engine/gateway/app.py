@@ -51,7 +51,9 @@ _TYPES = {
 
 
 class Engine(Protocol):
-    """What the gateway needs of an engine (``BuiltinEngine`` has it)."""
+    """What the gateway needs of an engine (``BuiltinEngine`` and ``VllmEngine`` have it). Optional
+    attributes: ``max_top_logprobs`` (0: top_logprobs refused), ``supports_top_p`` (False: top_p < 1 gets
+    400)."""
 
     @property
     def version(self) -> int: ...
@@ -103,6 +105,7 @@ def create_app(
     ctx = context_length(engine)
     end_of_turn = int(chat_format.stop_token_ids[0])
     top_lp = int(getattr(engine, "max_top_logprobs", 0))
+    top_p_ok = bool(getattr(engine, "supports_top_p", True))
     st = _State(cfg)
     t_start = int(time.time())
     app = FastAPI(title="tandem gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -235,6 +238,13 @@ def create_app(
             req = parse_chat_request(body, max_n=cfg.max_n, max_tokens_limit=ctx, max_top_logprobs=top_lp)
         except BadRequest as e:
             raise ApiError(e.status, e.message, e.param) from None
+        if req.top_p < 1.0 and not top_p_ok:
+            raise ApiError(
+                400,
+                f"top_p={req.top_p}: this gateway's engine samples the full distribution only (it cannot "
+                "report the mass top-p keeps, which training needs); send top_p=1 or omit it",
+                "top_p",
+            )
         sid = request.headers.get("x-tandem-session") or req.user
         if sid is not None and not 0 < len(sid) <= MAX_SESSION_ID:
             raise ApiError(400, f"session id must be 1-{MAX_SESSION_ID} characters", "X-Tandem-Session")

@@ -1,0 +1,97 @@
+"""Validation shared by every engine: requests and weight updates are checked before anything is touched.
+
+Invariants:
+- ``check_request`` returns an error message naming the bad field, or the number of new tokens the request
+  may sample (``max_new_tokens`` clamped to the room left in ``max_seq_len``).
+- ``convert_tensors`` / ``convert_patches`` raise ``EngineError`` naming the tensor for an unknown name, a
+  shape mismatch or an index outside the tensor, before any value is written; ``uint16`` data for a
+  floating-point target is read as bfloat16 bit patterns (the trainer's publish format).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tandem.core.errors import EngineError
+from tandem.core.generation import GenerationRequest
+
+
+def as_values(value: np.ndarray | torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``value``; uint16 data for a floating-point target is read as bfloat16 bit patterns."""
+    t = torch.as_tensor(np.ascontiguousarray(value) if isinstance(value, np.ndarray) else value)
+    if t.dtype == torch.uint16 and target.is_floating_point():
+        t = t.view(torch.bfloat16)
+    return t
+
+
+def check_request(req: GenerationRequest, vocab_size: int, max_seq_len: int) -> str | int:
+    """Error message, or the number of new tokens this request may sample."""
+    ids, sp = req.prompt_ids, req.params
+    if len(ids) == 0:
+        return "empty prompt: prompt_ids must hold at least one token id"
+    bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size]
+    if bad:
+        return f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})"
+    room = max_seq_len - len(ids)
+    if room < 1:
+        return (
+            f"prompt of {len(ids)} tokens leaves no room in max_seq_len={max_seq_len}; "
+            "shorten the prompt or raise engine.max_seq_len"
+        )
+    if sp.max_new_tokens < 1:
+        return f"max_new_tokens={sp.max_new_tokens} must be >= 1"
+    if sp.temperature < 0:
+        return f"temperature={sp.temperature} must be >= 0 (0 is greedy)"
+    if not 0.0 < sp.top_p <= 1.0:
+        return f"top_p={sp.top_p} must be in (0, 1]"
+    return min(sp.max_new_tokens, room)
+
+
+def convert_tensors(
+    targets: dict[str, torch.Tensor], tensors: dict[str, np.ndarray | torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Full replacement tensors, validated against ``targets`` (name -> current tensor)."""
+    converted: dict[str, torch.Tensor] = {}
+    for name, value in tensors.items():
+        target = targets.get(name)
+        if target is None:
+            raise EngineError(
+                f"update_weights: unknown tensor {name!r}; names are the model's state_dict keys"
+            )
+        try:
+            t = as_values(value, target)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise EngineError(f"update_weights: tensor {name!r} is not a numeric array ({e})") from e
+        if tuple(t.shape) != tuple(target.shape):
+            raise EngineError(
+                f"update_weights: tensor {name!r} has shape {tuple(t.shape)}, the model expects "
+                f"{tuple(target.shape)}; nothing was applied"
+            )
+        converted[name] = t
+    return converted
+
+
+def convert_patches(
+    targets: dict[str, torch.Tensor], patches: dict[str, tuple[np.ndarray, np.ndarray]]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Element patches ``name -> (flat_index, values)``, validated against ``targets``."""
+    converted: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, (index, values) in patches.items():
+        target = targets.get(name)
+        if target is None:
+            raise EngineError(f"patch_weights: unknown tensor {name!r}; names are the state_dict keys")
+        idx = torch.as_tensor(np.asarray(index, dtype=np.int64))
+        val = as_values(values, target).to(target.dtype)
+        if idx.dim() != 1 or idx.shape != val.shape:
+            raise EngineError(
+                f"patch_weights: tensor {name!r} needs 1-D index and values of equal length, got "
+                f"{tuple(idx.shape)} and {tuple(val.shape)}"
+            )
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= target.numel()):
+            raise EngineError(
+                f"patch_weights: tensor {name!r} has an index outside [0, {target.numel()}); "
+                "nothing was applied"
+            )
+        converted[name] = (idx, val)
+    return converted

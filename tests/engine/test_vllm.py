@@ -1,0 +1,238 @@
+"""The vLLM engine (tandem.engine.vllm) over the shipped model, with vLLM's real CPU build.
+
+One engine serves the whole module (vLLM's start is the expensive part). Its samples are checked against the
+transformers model's own logprobs, before and after weight updates; the weights are restored at the end of
+each test that changes them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from pydantic import ValidationError
+from transformers import AutoModelForCausalLM
+
+from tandem.core.config import EngineConfig, RunConfig
+from tandem.core.errors import EngineError
+from tandem.core.generation import GenerationRequest, SamplingParams
+from tandem.engine.gateway import GatewayConfig, GatewayServer, create_app
+from tandem.engine.vllm import VllmEngine, reload_groups
+from tandem.env.tasks import TOOLS
+from tandem.model import load_chat_format
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "tandem-base"
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = VllmEngine(MODEL, EngineConfig(max_batch=16, max_seq_len=512, max_parked=16))
+    eng.start()
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return AutoModelForCausalLM.from_pretrained(MODEL, local_files_only=True).eval()
+
+
+def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        lp = model(torch.tensor([prompt + tokens])).logits[0].float().log_softmax(-1)
+    return np.array([lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)])
+
+
+def sampled(seed: int, n: int = 24, **kw) -> GenerationRequest:
+    return GenerationRequest(PROMPT, SamplingParams(max_new_tokens=n, temperature=1.0, seed=seed, **kw))
+
+
+def test_samples_carry_the_models_logprobs_and_seeds_reproduce(engine, hf):
+    first = engine.generate([sampled(s) for s in range(4)])
+    again = engine.generate([sampled(s) for s in range(4)])
+    for a, b in zip(first, again, strict=True):
+        assert a.finish_reason == "length" and len(a.token_ids) == 24
+        assert a.token_ids == b.token_ids
+        assert a.versions == [engine.version] * 24
+        np.testing.assert_allclose(a.logprobs, hf_logprobs(hf, PROMPT, a.token_ids), atol=1e-4)
+    assert len({tuple(c.token_ids) for c in first}) == 4  # different seeds, different samples
+
+
+def test_temperature_is_in_the_logprobs_and_greedy_stops_on_a_stop_token(engine, hf):
+    req = GenerationRequest(PROMPT, SamplingParams(max_new_tokens=12, temperature=2.0, seed=7))
+    c = engine.generate([req])[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT + c.token_ids])).logits[0]
+    want = [(logits[len(PROMPT) - 1 + i] / 2.0).log_softmax(-1)[t].item() for i, t in enumerate(c.token_ids)]
+    np.testing.assert_allclose(c.logprobs, want, atol=1e-4)
+
+    greedy = engine.generate([GenerationRequest(PROMPT, SamplingParams(max_new_tokens=8, temperature=0))])[0]
+    assert greedy.logprobs == [0.0] * 8
+    stop = greedy.token_ids[2]
+    first = greedy.token_ids.index(stop)
+    params = SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=[stop])
+    cut = engine.generate([GenerationRequest(PROMPT, params)])[0]
+    assert cut.finish_reason == "stop" and cut.token_ids == greedy.token_ids[: first + 1]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "needle"),
+    [
+        ([], SamplingParams(), "empty prompt"),
+        ([99999], SamplingParams(), "outside the vocabulary"),
+        ([5] * 600, SamplingParams(), "max_seq_len=512"),
+        ([5], SamplingParams(max_new_tokens=0), "max_new_tokens=0"),
+        ([5], SamplingParams(temperature=-1), "temperature=-1"),
+        ([5], SamplingParams(top_p=0.9), "top_p=0.9"),
+    ],
+)
+def test_bad_requests_get_an_error_naming_the_field_and_the_engine_serves_on(engine, prompt, params, needle):
+    c = engine.generate([GenerationRequest(prompt, params)])[0]
+    assert c.finish_reason == "error" and needle in c.error
+    assert engine.generate([sampled(1, n=3)])[0].finish_reason == "length"
+
+
+def test_run_config_refuses_top_p_with_the_vllm_engine():
+    with pytest.raises(ValidationError, match=r"rollout.top_p=0.9 with engine.kind='vllm'"):
+        RunConfig.model_validate({"engine": {"kind": "vllm"}, "rollout": {"top_p": 0.9}})
+
+
+def test_fused_modules_reload_together():
+    names = {f"m.l.0.self_attn.{p}_proj.weight" for p in "qkvo"} | {"m.l.0.mlp.up_proj.weight"}
+    names |= {"m.l.0.mlp.gate_proj.weight", "m.l.0.mlp.down_proj.weight"}
+    got = reload_groups(["m.l.0.self_attn.k_proj.weight", "m.l.0.mlp.up_proj.weight"], names)
+    assert got == sorted(names - {"m.l.0.self_attn.o_proj.weight", "m.l.0.mlp.down_proj.weight"})
+
+
+def test_weight_updates_and_patches_apply_in_place(engine, hf):
+    original = {k: v.clone() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    before = engine.generate([sampled(3)])[0]
+    v0 = engine.version
+    g = torch.Generator().manual_seed(0)
+    try:
+        # a bad update names the tensor and changes nothing
+        with pytest.raises(EngineError, match="model.norm.weight.*shape"):
+            engine.update_weights(v0 + 1, {"model.norm.weight": np.zeros(3, np.float32)})
+        with pytest.raises(EngineError, match="unknown tensor 'nope'"):
+            engine.patch_weights(v0 + 1, {"nope": (np.array([0]), np.array([1.0], np.float32))})
+        assert engine.version == v0 and engine.generate([sampled(3)])[0].token_ids == before.token_ids
+
+        # full update of every tensor, the tied embedding included (published once, as the trainer does)
+        new = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in original.items()}
+        engine.update_weights(v0 + 1, {k: v.numpy() for k, v in new.items()})
+        hf.load_state_dict({**new, "lm_head.weight": new["model.embed_tokens.weight"]})
+        c = engine.generate([sampled(3)])[0]
+        assert c.versions == [v0 + 1] * len(c.token_ids) and c.token_ids != before.token_ids
+        np.testing.assert_allclose(c.logprobs, hf_logprobs(hf, PROMPT, c.token_ids), atol=1e-4)
+
+        # element patches (the delta path): bfloat16 bit patterns into one of the fused q/k/v projections
+        name = "model.layers.2.self_attn.k_proj.weight"
+        idx = np.arange(0, hf.state_dict()[name].numel(), 5, dtype=np.int64)
+        vals = torch.full((len(idx),), 0.0625, dtype=torch.bfloat16)
+        engine.patch_weights(v0 + 2, {name: (idx, vals.view(torch.uint16).numpy())})
+        with torch.no_grad():
+            hf.state_dict()[name].view(-1)[torch.as_tensor(idx)] = 0.0625
+        c = engine.generate([sampled(4)])[0]
+        assert c.versions == [v0 + 2] * len(c.token_ids)
+        np.testing.assert_allclose(c.logprobs, hf_logprobs(hf, PROMPT, c.token_ids), atol=1e-4)
+    finally:
+        engine.update_weights(v0 + 3, {k: v.numpy() for k, v in original.items()})
+        hf.load_state_dict({**original, "lm_head.weight": original["model.embed_tokens.weight"]})
+    assert engine.generate([sampled(3)])[0].token_ids == before.token_ids
+
+
+def test_an_update_lands_between_steps_of_running_sessions(engine):
+    v0 = engine.version
+    same = {"model.norm.weight": engine._host["model.norm.weight"].clone().numpy()}
+    start = engine.stats()["tokens_generated"]
+    fut = engine.submit(sampled(9, n=400))
+    while engine.stats()["tokens_generated"] < start + 20:
+        time.sleep(0.005)
+    pauses: list[float] = []
+    t = threading.Thread(target=lambda: pauses.append(engine.update_weights(v0 + 1, same)))
+    t.start()
+    t.join()
+    c = fut.result()
+    assert c.versions[0] == v0 and c.versions[-1] == v0 + 1 and c.versions == sorted(c.versions)
+    assert pauses and pauses[0] < 5.0 and engine.health()["version"] == v0 + 1
+
+
+def test_routing_capture_is_refused_on_cpu_with_the_reason():
+    with pytest.raises(EngineError, match="routed_experts.*Triton"):
+        VllmEngine(MODEL, EngineConfig(max_batch=2, max_seq_len=128), routed_experts=True)
+
+
+def test_gateway_over_the_vllm_engine_is_token_exact(engine):
+    chat = load_chat_format(MODEL)
+    server = GatewayServer(create_app(engine, chat, chat.tokenizer, GatewayConfig(model_name="m"))).start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "Write a function add(a, b)."}]
+        resp = client.chat.completions.create(
+            model="m",
+            messages=messages,
+            tools=TOOLS,
+            max_tokens=40,
+            seed=5,
+            logprobs=True,
+            extra_headers={"X-Tandem-Session": "v"},
+            extra_body={"return_token_ids": True},
+        )
+        ids = resp.choices[0].model_extra["token_ids"]
+        rec = httpx.get(server.url + "/v1/tandem/sessions/v").json()
+        seg = rec["segments"][0]
+        prompt = chat.render_prompt(messages, TOOLS)
+        assert seg["token_ids"] == prompt + ids
+        assert seg["loss_mask"] == [0] * len(prompt) + [1] * len(ids)
+        lps = [x.logprob for x in resp.choices[0].logprobs.content]
+        np.testing.assert_allclose(seg["sampler_logprobs"][len(prompt) :], lps, atol=1e-6)
+        bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "top_p": 0.5})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_serve_command_runs_the_vllm_engine():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "tandem.cli.main", "serve", "--engine", "vllm", "--port", "0"]
+    cmd += ["--model", str(MODEL), "--max-seq-len", "256", "--max-batch", "4", "--threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url = None
+        deadline = time.monotonic() + 300
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            m = re.search(r"serving \S+ on (http://\S+/v1) \(engine vllm\)", line)
+            if m:
+                url = m.group(1)
+                break
+            assert time.monotonic() < deadline
+        assert url, "tandem serve --engine vllm did not print its address"
+        for _ in range(200):
+            try:
+                if httpx.get(url.removesuffix("/v1") + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        r = httpx.post(
+            url + "/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5},
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
