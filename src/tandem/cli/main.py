@@ -339,6 +339,48 @@ def bench_gateway(
     typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
 
 
+@bench_app.command("mismatch")
+def bench_mismatch(
+    model: Annotated[str, typer.Option(help="Dense model directory (its tokenizer also serves the MoE).")] = (
+        "models/tandem-base"
+    ),
+    prompts: Annotated[int, typer.Option(help="Prompts sampled per setting (even: groups of two).")] = 16,
+    prompt_len: Annotated[int, typer.Option(help="Random prompt tokens per prompt.")] = 32,
+    new_tokens: Annotated[int, typer.Option(help="Tokens sampled per prompt (no early stop).")] = 64,
+    threads: Annotated[int, typer.Option(help="Torch threads of the engine and the trainer.")] = 2,
+    seed: Annotated[int, typer.Option(help="Seed of prompts, sampling and the tiny MoE's weights.")] = 0,
+    publish: Annotated[
+        str, typer.Option(help="Precision the engine gets the weights in: bfloat16 (delta path) | float32.")
+    ] = "bfloat16",
+    json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Sampler-vs-trainer mismatch (kl_k3, max |dlogp|), MoE routing agreement and slowdown per mode."""
+    if prompts < 2 or prompts % 2:
+        fail(f"--prompts must be an even number >= 2 (pairs form groups of two), got {prompts}")
+    for flag, value in (("--prompt-len", prompt_len), ("--new-tokens", new_tokens), ("--threads", threads)):
+        if value < 1:
+            fail(f"{flag} must be >= 1, got {value}")
+    if publish not in ("bfloat16", "float32"):
+        fail(f"--publish must be bfloat16 or float32, got {publish!r}")
+    path = resolve_model_path(model)
+    check_model_path(path)
+    from tandem.bench.mismatch import run_mismatch_bench
+
+    try:
+        out = run_mismatch_bench(
+            path,
+            prompts=prompts,
+            prompt_len=prompt_len,
+            new_tokens=new_tokens,
+            threads=threads,
+            seed=seed,
+            publish_dtype=publish,
+        )
+    except ValueError as e:
+        fail(str(e))
+    typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
+
+
 def _mount_subcommands() -> None:
     from tandem.cli import env as env_cli
     from tandem.cli import midtrain as midtrain_cli

@@ -378,15 +378,25 @@ class TrainConfig(Section):
     """Inclusive band [low, high] of the ratio kept by `mask_seq`, `mask_geo` and `icepop`."""
     kl_coef: float = 0.0
     """Coefficient of the k3 KL penalty to the initial policy; 0 disables it and skips that forward pass."""
-    router_replay: Literal["off", "r3"] = "off"
+    router_replay: Literal["off", "r3", "r2"] = "off"
     """Mixture-of-experts models only. `r3`: Rollout Routing Replay ("Stabilizing MoE RL by Aligning Training
     and Inference Routers", arXiv 2510.11370): the trainer's forward and backward route each token to the
     top-k experts the sampler chose (``Segment.routed_experts``), weighted by the trainer's own router
-    softmax gathered at those experts, so the router still learns. `off`: the trainer routes by itself.
-    Either way ``train/routing_agreement`` reports the fraction of (token, MoE layer) whose top-k expert set
-    the trainer's router picks equals the sampler's, whenever segments carry routes."""
+    softmax gathered at those experts, so the router still learns. `r2`: Routing Replay of GSPO / Qwen3 RL
+    (R2 in the same paper): the trainer records the routes its own router picks in the step's old-logprob
+    pass (pre-update weights) and replays them in every later forward/backward of the step, so the PPO
+    ratio compares the same experts; only matters with ``epochs * mini_batches > 1``. `off`: the trainer
+    routes by itself. Either way ``train/routing_agreement`` reports the fraction of (token, MoE layer) whose
+    top-k expert set the trainer's router picks equals the sampler's, whenever segments carry routes."""
     threads: int = 1
     """Torch intra-op threads of the trainer process."""
+    deterministic: bool = False
+    """Batch-invariant mode (``tandem.model.deterministic``), for the built-in engine and the trainer alike
+    (the engine actors read this flag too): the same tokens get bitwise the same logprobs whatever else
+    shares their batch, so the sampler's and the trainer's logprobs of a token are equal when both hold the
+    same weights (``train/mismatch_kl_k3 == 0``). Needs engine.kind='builtin', model.dtype='float32' and
+    engine.threads == train.threads (the thread count changes how a CPU matmul rounds); slower (fixed-shape
+    matmul tiles, whole key blocks in attention)."""
     checkpoint_every: int = 10
     """Save a resumable checkpoint every N steps (and at the end)."""
     seed: int = 0
@@ -520,8 +530,8 @@ class RunConfig(Section):
             raise ValueError(f"train.icepop_band must satisfy 0 < low < high, got {list(t.icepop_band)}")
         if self.rollout.temperature <= 0:
             raise ValueError("rollout.temperature must be > 0 (greedy decoding is not a policy to train)")
-        if t.router_replay == "r3":
-            if self.engine.kind != "builtin":
+        if t.router_replay != "off":
+            if t.router_replay == "r3" and self.engine.kind != "builtin":
                 raise ValueError(
                     f"train.router_replay='r3' with engine.kind={self.engine.kind!r}: only the built-in "
                     "engine records MoE routing for replay; use engine.kind='builtin' or "
@@ -530,9 +540,32 @@ class RunConfig(Section):
             moe = model_is_moe(self.model.path)
             if moe is False:
                 raise ValueError(
-                    f"train.router_replay='r3' needs a mixture-of-experts model, but model.path="
-                    f"{self.model.path!r} has a config.json without experts (num_experts); use "
+                    f"train.router_replay={t.router_replay!r} needs a mixture-of-experts model, but "
+                    f"model.path={self.model.path!r} has a config.json without experts (num_experts); use "
                     "train.router_replay='off' for dense models"
+                )
+        if t.deterministic:
+            if self.engine.kind != "builtin":
+                raise ValueError(
+                    f"train.deterministic=true with engine.kind={self.engine.kind!r}: only the built-in "
+                    "engine has batch-invariant forwards (vLLM's kernels round differently by batch); use "
+                    "engine.kind='builtin' or train.deterministic=false"
+                )
+            if self.model.dtype != "float32":
+                raise ValueError(
+                    f"train.deterministic=true with model.dtype={self.model.dtype!r}: the trainer computes "
+                    "in float32, so the engine must too; use model.dtype='float32'"
+                )
+            if self.engine.threads != t.threads:
+                raise ValueError(
+                    f"train.deterministic=true with engine.threads={self.engine.threads} != train.threads="
+                    f"{t.threads}: a CPU matmul rounds differently with another thread count; set them equal"
+                )
+            if model_is_moe(self.model.path):
+                raise ValueError(
+                    f"train.deterministic=true with the mixture-of-experts model.path={self.model.path!r}: "
+                    "the batch-invariant forward covers dense Qwen3/Qwen2/Llama models only; use "
+                    "train.deterministic=false"
                 )
         return self
 

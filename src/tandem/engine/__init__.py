@@ -14,10 +14,23 @@ from tandem.engine.sampling import sample
 __all__ = ["BuiltinEngine", "create_engine", "sample"]
 
 
-def create_engine(path: str | Path, config: EngineConfig, *, dtype: str = "float32", seed: int = 0) -> Any:
-    """The engine ``config.kind`` names, loaded from the local model directory ``path`` (not started)."""
+def create_engine(
+    path: str | Path,
+    config: EngineConfig,
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    deterministic: bool = False,
+) -> Any:
+    """The engine ``config.kind`` names, loaded from the local model directory ``path`` (not started).
+    ``deterministic`` (the run's ``train.deterministic``) is built-in only: batch-invariant forwards."""
     if config.kind == "vllm":
+        if deterministic:
+            raise ValueError(
+                "deterministic mode (train.deterministic) needs engine.kind='builtin': vLLM's kernels are "
+                "not batch-invariant"
+            )
         from tandem.engine.vllm import VllmEngine
 
         return VllmEngine.from_path(path, config, dtype=dtype, seed=seed)
-    return BuiltinEngine.from_path(path, config, dtype=dtype, seed=seed)
+    return BuiltinEngine.from_path(path, config, dtype=dtype, seed=seed, deterministic=deterministic)

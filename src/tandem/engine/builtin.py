@@ -15,6 +15,10 @@ Invariants:
 - ``update_weights`` validates every name and shape before touching anything (EngineError, state unchanged),
   then the loop copies the tensors into the HF parameters in place and refreshes derived buffers.
 - The engine never changes global torch settings (threads are the caller's job).
+- ``deterministic=True`` (the run's ``train.deterministic``): float32 and ``FastRunner`` only (else
+  EngineError with the reason); every forward goes through ``tandem.model.deterministic``, so a token's
+  logits, and so its sampled token and logprob, are bitwise the same whatever shares its batch; the trainer's
+  deterministic forward reproduces them exactly. Sampling is per row already.
 - Prefix reuse (``tandem.engine.prefix``): a finished session's KV stays parked (up to
   ``config.max_parked``, in slots beyond ``max_batch``); a request whose prompt starts with a parked sequence
   takes that slot over and prefills only the rest. Outputs equal a full prefill (up to float rounding).
@@ -111,9 +115,15 @@ class BuiltinEngine:
         version: int = 0,
         seed: int = 0,
         dtype: str = "float32",
+        deterministic: bool = False,
     ) -> None:
         if dtype not in _DTYPES:
             raise EngineError(f"dtype {dtype!r} is not supported; use one of {sorted(_DTYPES)}")
+        if deterministic and dtype != "float32":
+            raise EngineError(
+                f"deterministic mode computes in float32 like the trainer; got dtype {dtype!r}, use float32"
+            )
+        self.deterministic = deterministic
         self.config = config
         self.model = model.to(_DTYPES[dtype]).eval()
         for p in self.model.parameters():
@@ -122,11 +132,18 @@ class BuiltinEngine:
         self.seed = seed
         self._version = version
         reason = fast_supported(self.model)
+        if deterministic and reason is not None:
+            raise EngineError(
+                f"deterministic mode needs the built-in fast forward, which refuses this model: {reason}"
+            )
         runner_cls = FastRunner if reason is None else HFRunner
         self.fallback_reason = reason
         with torch.inference_mode():
             n_slots = config.max_batch + config.max_parked
-            self._runner = runner_cls(self.model, n_slots, config.max_seq_len)
+            if deterministic:
+                self._runner = FastRunner(self.model, n_slots, config.max_seq_len, deterministic=True)
+            else:
+                self._runner = runner_cls(self.model, n_slots, config.max_seq_len)
         self._prefix = PrefixCache(self._runner, n_slots, config.max_parked)
         self._targets = dict(self.model.state_dict(keep_vars=True))
         self._cv = threading.Condition()
@@ -149,7 +166,13 @@ class BuiltinEngine:
 
     @classmethod
     def from_path(
-        cls, path: str | Path, config: EngineConfig, *, dtype: str = "float32", seed: int = 0
+        cls,
+        path: str | Path,
+        config: EngineConfig,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        deterministic: bool = False,
     ) -> BuiltinEngine:
         from transformers import AutoModelForCausalLM
 
@@ -160,7 +183,7 @@ class BuiltinEngine:
             model = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True)
         except Exception as e:  # noqa: BLE001 - any loader failure is a bad path for the caller
             raise ModelLoadError(f"could not load a causal LM from {p}: {e}") from e
-        return cls(model, config, dtype=dtype, seed=seed)
+        return cls(model, config, dtype=dtype, seed=seed, deterministic=deterministic)
 
     # ---- public API ------------------------------------------------------------------------------
 

@@ -9,6 +9,10 @@ Two runners share one small interface (``prefill``, ``decode``, ``move``, ``rele
   preallocated cache ``[layers, slots, kv_heads, max_seq_len, head_dim]``.
 - ``HFRunner``: fallback for any other causal LM; the HF forward per session with its own cache.
 
+``FastRunner(..., deterministic=True)`` (``train.deterministic``) runs prefill and decode (a decode step is a
+one-token prefill after each slot's cached positions) through ``tandem.model.deterministic``: a token's
+logits are bitwise the same whatever shares its batch, and equal to the trainer's deterministic forward.
+
 Invariants:
 - The HF module owns the parameters. ``FastRunner`` reads norms and embeddings by reference; its matrices
   are derived buffers (fused, transposed) rebuilt by ``refresh()``: call it after changing weights, or change
@@ -38,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from tandem.model import deterministic as det
 from tandem.model.moe import RouterHooks, moe_shape, routes_dtype
 
 _FAST_TYPES = {"qwen3", "qwen2", "llama"}
@@ -80,10 +85,13 @@ def _mm(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.Tens
 class FastRunner:
     """Own batched forward with a slot KV cache (see module docstring)."""
 
-    def __init__(self, model: PreTrainedModel, max_slots: int, max_seq_len: int) -> None:
+    def __init__(
+        self, model: PreTrainedModel, max_slots: int, max_seq_len: int, deterministic: bool = False
+    ) -> None:
         self.model = model
         cfg = model.config
         self.max_slots, self.max_seq_len = max_slots, max_seq_len
+        self.deterministic = deterministic
         base = model.model
         self.layers = list(base.layers)
         self.embed = base.embed_tokens.weight
@@ -226,6 +234,8 @@ class FastRunner:
         self, first_slot: int, prompts: list[list[int]], starts: list[int] | None = None
     ) -> torch.Tensor:
         """Fill slots ``first_slot..`` with the prompts (right-padded batch); logits [b, V] of last tokens."""
+        if self.deterministic:
+            return self._det_prefill(first_slot, prompts, starts or [0] * len(prompts))
         if starts is not None and any(starts):
             return self._prefill_after(first_slot, prompts, starts)
         b, t = len(prompts), max(len(p) for p in prompts)
@@ -250,25 +260,29 @@ class FastRunner:
             self.lens[s0 + j] = len(p)
         return self._logits(x[torch.arange(b), last])
 
+    def _after_layout(self, first_slot: int, prompts: list[list[int]], starts: list[int]):
+        """Padded ids [b, t], positions [b, t] (clamped to the cache), end positions, and the real
+        (row ``jj``, index ``ii``) pairs with the cache slots and positions they are written to."""
+        b, t = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros((b, t), dtype=torch.long)
+        for j, p in enumerate(prompts):
+            ids[j, : len(p)] = torch.tensor(p, dtype=torch.long)
+        st = torch.tensor(starts, dtype=torch.long)
+        ends = [s + len(p) for s, p in zip(starts, prompts, strict=True)]
+        pos = (st.unsqueeze(1) + torch.arange(t).unsqueeze(0)).clamp_(max=self.max_seq_len - 1)
+        jj = torch.cat([torch.full((len(p),), j) for j, p in enumerate(prompts)])
+        ii = torch.cat([torch.arange(len(p)) for p in prompts])
+        return ids, pos, ends, jj, ii, jj + first_slot, st[jj] + ii
+
     def _prefill_after(self, first_slot: int, prompts: list[list[int]], starts: list[int]) -> torch.Tensor:
         """Prefill each prompt after the ``starts[j]`` positions already cached in its slot.
 
         Only real positions are written (padding never reaches the cache, so no row writes past
         ``max_seq_len``); queries attend through an explicit mask to cache positions ``0..start+i``.
         """
-        b, t = len(prompts), max(len(p) for p in prompts)
-        ids = torch.zeros((b, t), dtype=torch.long)
-        for j, p in enumerate(prompts):
-            ids[j, : len(p)] = torch.tensor(p, dtype=torch.long)
-        st = torch.tensor(starts)
-        ends = [s + len(p) for s, p in zip(starts, prompts, strict=True)]
-        t_kv = max(ends)
-        pos = (st.unsqueeze(1) + torch.arange(t).unsqueeze(0)).clamp_(max=self.max_seq_len - 1)  # [b, t]
+        ids, pos, ends, jj, ii, slots, wpos = self._after_layout(first_slot, prompts, starts)
+        b, t, t_kv = ids.shape[0], ids.shape[1], max(ends)
         cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # [b, t, 1, D]
-        # Real (row, i) pairs and where they go in the cache.
-        jj = torch.cat([torch.full((len(p),), j) for j, p in enumerate(prompts)])
-        ii = torch.cat([torch.arange(len(p)) for p in prompts])
-        slots, wpos = jj + first_slot, st[jj] + ii
         s0, s1 = first_slot, first_slot + b
         mask = torch.zeros((b, 1, t, t_kv), dtype=self.cos.dtype)
         mask.masked_fill_(
@@ -296,6 +310,8 @@ class FastRunner:
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append ``tokens[s]`` to slot ``s`` for ``s < n = len(tokens)``; logits [n, V]."""
+        if self.deterministic:  # a decode step is a one-token prefill after each slot's cached positions
+            return self._det_prefill(0, [[int(t)] for t in tokens.tolist()], self.lens[: tokens.shape[0]])
         n = tokens.shape[0]
         lens = self.lens[:n]
         t = max(lens) + 1
@@ -320,6 +336,32 @@ class FastRunner:
         for s in range(n):
             self.lens[s] += 1
         return self._logits(x)
+
+    def _det_prefill(self, first_slot: int, prompts: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Deterministic mode (``tandem.model.deterministic``): batch-invariant prefill of each prompt after
+        the ``starts[j]`` positions cached in slot ``first_slot + j``; decode steps come here too."""
+        ids, pos, ends, jj, ii, slots, wpos = self._after_layout(first_slot, prompts, starts)
+        b, t_kv = ids.shape[0], max(ends)
+        cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # [b, t, 1, D]
+        s0, s1 = first_slot, first_slot + b
+        heads = (self.n_heads, self.n_kv, self.head_dim)
+        x = F.embedding(ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            norms = (a.q_norm.weight, a.k_norm.weight) if hasattr(a, "q_norm") else None
+            h = det.rms_norm(x, layer.input_layernorm.weight, self.eps)
+            q, k, v = det.qkv(h, self.wt[i][0], self.bs[i][0], heads, norms, self.eps, cos, sin)
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            kc[slots, :, wpos] = k[jj, ii]
+            vc[slots, :, wpos] = v[jj, ii]
+            o = det.attention(q, kc[s0:s1, :, :t_kv], vc[s0:s1, :, :t_kv], pos, self.scaling)
+            x = det.mlp_out(
+                x, o.flatten(2), self.wt[i], self.bs[i], layer.post_attention_layernorm.weight, self.eps
+            )
+        for j, e in enumerate(ends):
+            self.lens[s0 + j] = e
+        last = torch.tensor([len(p) - 1 for p in prompts])
+        return det.logits(x[torch.arange(b), last], self.norm_w, self.head_t, self.eps)
 
     def move(self, src: int, dst: int) -> None:
         """Copy slot ``src``'s cache into slot ``dst`` (compaction)."""

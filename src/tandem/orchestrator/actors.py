@@ -50,7 +50,13 @@ class EngineActor:
         _set_threads(cfg.engine.threads)
         from tandem.engine import create_engine
 
-        self.engine = create_engine(cfg.model.path, cfg.engine, dtype=cfg.model.dtype, seed=seed)
+        self.engine = create_engine(
+            cfg.model.path,
+            cfg.engine,
+            dtype=cfg.model.dtype,
+            seed=seed,
+            deterministic=cfg.train.deterministic,  # one flag for the trainer and the engines
+        )
         self.engine.start()
         self.weight_sync = None
         if weight_urls:

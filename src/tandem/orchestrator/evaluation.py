@@ -33,7 +33,13 @@ def eval_model(
         raise ValueError(f"--split must be 'heldout' or 'train', got {split!r}")
     torch.set_num_threads(max(1, cfg.engine.threads))
     chat = load_chat_format(model_path)
-    engine = create_engine(model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.train.seed)
+    engine = create_engine(
+        model_path,
+        cfg.engine,
+        dtype=cfg.model.dtype,
+        seed=cfg.train.seed,
+        deterministic=cfg.train.deterministic,
+    )
     engine.start()
     n = n_tasks or cfg.tasks.heldout_size
     tasks = [apply_limits(t, cfg) for t in tasks_for(cfg.tasks, split, n)]

@@ -175,6 +175,18 @@ class LogprobOutput:
     entropy: torch.Tensor | None = None
 
 
+def place_logprobs(mb: MicroBatch, lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token logprobs ``[L]`` from next-token ones ``lp`` ``[L-1]`` (position i predicts token i+1):
+    0 for a sequence's first token (no in-sequence context), minus the sampler's top-p log mass where
+    sampled. Also returns ``first`` ``[L-1]`` (token i+1 starts a new sequence)."""
+    first = mb.position_ids[0, 1:] == 0
+    lp = torch.where(first, torch.zeros_like(lp), lp)
+    lp = torch.cat([lp.new_zeros(1), lp])
+    if mb.sampler_logmass is not None:
+        lp = lp - torch.where(mb.loss_mask > 0, mb.sampler_logmass, torch.zeros_like(mb.sampler_logmass))
+    return lp, first
+
+
 def token_logprobs(model: torch.nn.Module, mb: MicroBatch, with_entropy: bool = False) -> LogprobOutput:
     """Logprob of every token of a packed row given the tokens before it in the same sequence.
 
@@ -192,11 +204,7 @@ def token_logprobs(model: torch.nn.Module, mb: MicroBatch, with_entropy: bool = 
     targets = mb.input_ids[0, 1:]
     lse = torch.logsumexp(logits, dim=-1)
     lp = logits.gather(-1, targets[:, None])[:, 0] - lse
-    first = mb.position_ids[0, 1:] == 0  # token i starts a new sequence: no in-sequence context
-    lp = torch.where(first, torch.zeros_like(lp), lp)
-    lp = torch.cat([lp.new_zeros(1), lp])
-    if mb.sampler_logmass is not None:
-        lp = lp - torch.where(mb.loss_mask > 0, mb.sampler_logmass, torch.zeros_like(mb.sampler_logmass))
+    lp, first = place_logprobs(mb, lp)
     ent = None
     if with_entropy:
         with torch.no_grad():  # only at sampled positions: [sampled, V] instead of [L, V]

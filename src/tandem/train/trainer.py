@@ -34,10 +34,17 @@ Invariants:
 - ``publish_state`` is the one seam through which weights leave the trainer: a dict of fresh numpy arrays
   (never views of live parameters) by HF state-dict name; tied weights appear once.
 - Same checkpoint + same groups => bitwise the same next weights (model, optimizer, version, RNG restored).
+- ``train.deterministic``: every policy forward (not the KL reference's) runs through
+  ``tandem.train.deterministic`` (batch-invariant, the built-in engine's ops; parameters read through the
+  publish dtype's rounding, gradient straight through to the fp32 masters), so with the engine's weights
+  the mismatch metrics are exactly 0.
 - MoE (``tandem.train.routing``): segments' ``routed_experts`` are validated before any forward (shape
   ``[tokens, moe_layers, top_k]`` of the model, else ValueError naming the shape); with
   ``train.router_replay = "r3"`` every policy forward (old-logprob pass and gradient passes) replays them;
-  ``routing_agreement`` / ``routes_recorded_frac`` are measured in the same pass as the mismatch metrics.
+  with ``"r2"`` the trainer records its own routes in the step's old pass (pre-update weights: the no-grad
+  pass, or the single gradient pass) and every later forward/backward of the step replays those;
+  ``routing_agreement`` (own router vs sampler), ``routing_used_agreement`` (experts used, replay included,
+  vs sampler) and ``routes_recorded_frac`` are measured in the same pass as the mismatch metrics.
 
 Global state: the constructor calls ``torch.manual_seed(config.seed)`` and
 ``torch.set_num_threads(config.threads)``; ``load_checkpoint`` restores the torch, numpy and Python global RNG
@@ -66,6 +73,7 @@ from tandem.core.records import Group, Segment
 from tandem.train.advantages import group_advantages, is_zero_variance
 from tandem.train.batching import LogprobOutput, MicroBatch, SequenceInput, pack, token_logprobs
 from tandem.train.checkpoint import atomic_dir, read_state, write_state
+from tandem.train.deterministic import DeterministicLogprobs
 from tandem.train.loss import LOSS_FUNCTIONS, Correction, clip_range
 from tandem.train.routing import TrainerRouting, routing_metrics
 
@@ -164,6 +172,8 @@ class Trainer:
         self.model = load_causal_lm(self.model_path)
         self.model.eval()
         self.routing = TrainerRouting(self.model, config.router_replay)
+        # train.deterministic: the policy's logprobs through the batch-invariant forward the engine uses.
+        self._det = DeterministicLogprobs(self.model, publish_dtype) if config.deterministic else None
         self.ref_model: PreTrainedModel | None = None
         if config.kl_coef != 0.0:
             self.ref_model = load_causal_lm(self.model_path)  # the initial policy, also after a resume
@@ -249,12 +259,13 @@ class Trainer:
         packed = [(pack(seqs, cfg.micro_batch_tokens), n) for seqs, n in mini]
         single = cfg.epochs == 1 and len(packed) == 1
         acc = _new_acc()
+        self.routing.begin_step()
         olds: list[list[torch.Tensor]] = []
         if not single:
             # Old logprobs under the weights before the first update, from a no-grad pass.
             with torch.no_grad():
                 for mbs, _ in packed:
-                    olds.append([self._observe(self._logprobs(mb, True, acc), mb, acc) for mb in mbs])
+                    olds.append([self._observe(self._logprobs(mb, True, acc, True), mb, acc) for mb in mbs])
         weighted = {"clip_frac": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0, "kl_ref": 0.0}
         if self.correction.kind == "tis":
             weighted.update(is_weight_mean=0.0, is_clipped_frac=0.0)
@@ -269,7 +280,7 @@ class Trainer:
                 denom = 1.0 if masks else n
                 kept = update_loss = 0.0
                 for j, mb in enumerate(mbs):
-                    out = self._logprobs(mb, single, acc if single else None)
+                    out = self._logprobs(mb, single, acc if single else None, old=single)
                     lp = out.logprobs
                     # With one update per step the old logprobs equal this forward pass exactly, so they are
                     # taken from it (detached) instead of from a second, bit-identical no-grad pass.
@@ -320,9 +331,14 @@ class Trainer:
             is_masked_frac=masked / max(masked + w_tokens, 1.0),
         )
 
-    def _logprobs(self, mb: MicroBatch, with_entropy: bool, acc: dict[str, Any] | None) -> LogprobOutput:
-        """The policy's token logprobs of ``mb`` (routes replayed under r3; routing metrics into ``acc``)."""
-        with self.routing.forward(mb, acc):
+    def _logprobs(
+        self, mb: MicroBatch, with_entropy: bool, acc: dict[str, Any] | None, old: bool = False
+    ) -> LogprobOutput:
+        """The policy's token logprobs of ``mb`` (sampler routes replayed under r3; under r2 own routes
+        recorded when ``old``, the step's old pass, and replayed otherwise; routing metrics into ``acc``)."""
+        with self.routing.forward(mb, acc, old):
+            if self._det is not None:
+                return self._det(mb, with_entropy=with_entropy)
             return token_logprobs(self.model, mb, with_entropy=with_entropy)
 
     @staticmethod

@@ -1,0 +1,257 @@
+"""Batch-invariant forward primitives (``train.deterministic``): the same token in the same context gets
+bitwise the same logits whatever else shares its batch and wherever it sits in it.
+
+Both the built-in engine (``tandem.engine.runner.FastRunner``, prefill and decode) and the trainer
+(``tandem.train.deterministic``) run Qwen3/Qwen2/Llama-style decoders through the functions of this module
+and nothing else, so the sampler's and the trainer's logprobs of the same tokens are equal bit for bit.
+
+Why this is needed: a CPU GEMM (MKL/oneDNN) picks its kernel, blocking and remainder handling by the shape of
+the call, so the same row of ``X @ W`` rounds differently when computed alone, inside a larger batch, or at
+another position. What is used instead (each point checked by ``tests/model/test_deterministic.py``):
+
+- ``linear``: rows are padded with zeros to a multiple of ``TILE_ROWS`` and multiplied one tile per call, so
+  every output row comes out of an identically shaped ``[TILE_ROWS, K] @ [K, N]`` call; a row's bits do not
+  depend on its position inside the tile (measured) nor on the number of tiles (one call each, by
+  construction). A single call on the padded rows is NOT enough: for K >= 1024 MKL's result then depends on
+  the number of rows. The weight must be the contiguous ``[K, N]`` transposed matrix (both sides build it the
+  same way: ``torch.cat(ws).t().contiguous()``). The thread count is part of the shape: with K >= 1024 one
+  thread and two threads round differently, so the engine and the trainer must run with the same number of
+  threads (the run config enforces it).
+- ``attention``: per query, scores over blocks of ``KEY_BLOCK`` keys by batched matmuls of fixed item shapes
+  (``[TILE_ROWS, D] @ [D, KEY_BLOCK]`` and ``[TILE_ROWS, KEY_BLOCK] @ [KEY_BLOCK, D]``), an exact max over
+  all the query's keys, ``exp`` of masked scores (exactly 0 beyond the query's position), per-block sums of
+  fixed length, and the blocks added in block order. Blocks past a query's position add exact zeros, so the
+  number of blocks (the longest sequence of the batch) does not change a query's bits; nor does how the keys
+  are stored (the engine's slot cache or the trainer's packed sequences), since they are gathered into the
+  same contiguous layout first.
+- ``rms_norm``, ``rope``, SiLU-MLP and residual adds are elementwise or per-row reductions of fixed length
+  (written out with plain ops so grad mode and inference mode run the same kernels).
+- ``token_logprob``: ``log_softmax(logits / temperature)`` gathered at the token, the sampler's exact ops.
+
+All functions are plain torch ops, so autograd works through them (gradients are not batch-invariant and
+need not be). Costs: padding makes a one-row decode step multiply ``TILE_ROWS`` rows, and attention computes
+whole key blocks; see the deterministic-mode numbers in the PR/report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+TILE_ROWS = 16
+"""Rows per matmul call of ``linear`` (and query rows per attention item)."""
+KEY_BLOCK = 64
+"""Keys per attention block."""
+
+
+def linear(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ wt [K, N] (+ b)`` with every output row from an identically shaped matmul call."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k).contiguous()
+    n = x2.shape[0]
+    pad = (-n) % TILE_ROWS
+    if pad:
+        x2 = torch.cat([x2, x2.new_zeros(pad, k)])
+    y = torch.cat([x2[i : i + TILE_ROWS] @ wt for i in range(0, n + pad, TILE_ROWS)])
+    if pad:
+        y = y[:n]
+    if b is not None:
+        y = y + b
+    return y.reshape(*lead, wt.shape[1])
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (per row, fixed length)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half form), elementwise."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of S sequences: query ``(s, i)`` at position ``qpos[s, i]`` attends keys
+    ``0..qpos[s, i]`` of sequence ``s``.
+
+    q ``[S, Lq, H, D]``, k/v ``[S, Hkv, Lk, D]`` (Lk > every qpos; keys past a query's position may hold
+    anything finite), qpos ``[S, Lq]`` int64 -> ``[S, Lq, H, D]``. Batch-invariant per query (see the module
+    docstring).
+    """
+    s_n, lq, h, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    g = h // hkv
+    bk, tr = KEY_BLOCK, TILE_ROWS
+    nb = -(-lk // bk)
+    padk = nb * bk - lk
+    if padk:
+        k = F.pad(k, (0, 0, 0, padk))
+        v = F.pad(v, (0, 0, 0, padk))
+    kt = k.reshape(s_n, hkv, nb, bk, d).transpose(-1, -2).contiguous()  # [S, Hkv, nb, D, B]
+    vb = v.reshape(s_n, hkv, nb, bk, d).contiguous()  # [S, Hkv, nb, B, D]
+    # Rows: per (sequence, kv head) the g query heads of each query, query-major, padded to whole tiles.
+    r = lq * g
+    padr = (-r) % tr
+    nt = (r + padr) // tr
+    qr = q.reshape(s_n, lq, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(s_n, hkv, r, d)
+    rpos = qpos.repeat_interleave(g, dim=1)  # [S, r]
+    if padr:
+        qr = F.pad(qr, (0, 0, 0, padr))
+        rpos = F.pad(rpos, (0, padr))  # padding rows attend key 0 only (finite, discarded)
+    qr = qr.reshape(s_n, hkv, nt, 1, tr, d)
+    items = (s_n, hkv, nt, nb)
+    q3 = qr.expand(*items, tr, d).contiguous().view(-1, tr, d)
+    k3 = kt.unsqueeze(2).expand(*items, d, bk).contiguous().view(-1, d, bk)
+    scores = torch.bmm(q3, k3).view(*items, tr, bk) * scale
+    kpos = torch.arange(nb * bk).view(1, 1, 1, nb, 1, bk)
+    masked = kpos > rpos.view(s_n, 1, nt, 1, tr, 1)
+    scores = scores.masked_fill(masked, float("-inf"))
+    m = scores.detach().amax(dim=(3, 5), keepdim=True)  # exact; a constant for the gradient
+    e = torch.exp(scores - m)
+    part_l = e.sum(-1)  # [S, Hkv, nt, nb, T]
+    v3 = vb.unsqueeze(2).expand(*items, bk, d).contiguous().view(-1, bk, d)
+    part_o = torch.bmm(e.reshape(-1, tr, bk), v3).view(*items, tr, d)
+    acc_o, acc_l = part_o[:, :, :, 0], part_l[:, :, :, 0]
+    for j in range(1, nb):  # in block order: blocks past a query's position add exact zeros
+        acc_o = acc_o + part_o[:, :, :, j]
+        acc_l = acc_l + part_l[:, :, :, j]
+    out = (acc_o / acc_l.unsqueeze(-1)).reshape(s_n, hkv, nt * tr, d)[:, :, :r]
+    return out.reshape(s_n, hkv, lq, g, d).permute(0, 2, 1, 3, 4).reshape(s_n, lq, h, d)
+
+
+def qkv(
+    h: torch.Tensor,
+    wt: torch.Tensor,
+    b: torch.Tensor | None,
+    heads: tuple[int, int, int],
+    norms: tuple[torch.Tensor, torch.Tensor] | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h ``[..., hidden]`` -> q ``[..., H, D]``, k/v ``[..., Hkv, D]`` (fused projection, optional per-head
+    q/k norms, RoPE); ``heads = (H, Hkv, D)``."""
+    n_heads, n_kv, hd = heads
+    y = linear(h, wt, b)
+    q, k, v = y.split((n_heads * hd, n_kv * hd, n_kv * hd), dim=-1)
+    q = q.unflatten(-1, (n_heads, hd))
+    k = k.unflatten(-1, (n_kv, hd))
+    v = v.unflatten(-1, (n_kv, hd))
+    if norms is not None:
+        q = rms_norm(q, norms[0], eps)
+        k = rms_norm(k, norms[1], eps)
+    return rope(q, cos, sin), rope(k, cos, sin), v
+
+
+def mlp_out(
+    x: torch.Tensor,
+    attn: torch.Tensor,
+    wts: tuple[torch.Tensor, ...],
+    bs: tuple[torch.Tensor | None, ...],
+    post_norm: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """Residual after attention (``attn`` flattened heads), then the SwiGLU MLP and its residual.
+    ``wts``/``bs`` are a layer's (qkv, o, gate|up, down) transposed matrices and biases."""
+    x = x + linear(attn, wts[1], bs[1])
+    hh = rms_norm(x, post_norm, eps)
+    g, u = linear(hh, wts[2], bs[2]).chunk(2, dim=-1)
+    return x + linear(F.silu(g) * u, wts[3], bs[3])
+
+
+def logits(x: torch.Tensor, norm_w: torch.Tensor, head_t: torch.Tensor, eps: float) -> torch.Tensor:
+    """Final norm and output head (float32)."""
+    return linear(rms_norm(x, norm_w, eps), head_t).float()
+
+
+def token_logprob(logits_: torch.Tensor, temperature: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits / temperature)[token]`` per row: logits ``[n, V]``, temperature and tokens
+    ``[n]`` -> ``[n]``; the engine's sampler does exactly these ops (``tandem.engine.sampling``)."""
+    logp = torch.log_softmax(logits_ / temperature.unsqueeze(1), dim=-1)
+    return logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def fused_t(*ws: torch.Tensor) -> torch.Tensor:
+    """The transposed, contiguous ``[K, N]`` matrix of stacked weights ``[N_i, K]`` (``linear`` takes it)."""
+    return torch.cat(ws).t().contiguous()
+
+
+def fused_bias(*mods: torch.nn.Module) -> torch.Tensor | None:
+    """Stacked biases of linear modules (zeros for those without), None if none has one."""
+    if all(m.bias is None for m in mods):
+        return None
+    return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in mods])
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def layer_weights(
+    layer: torch.nn.Module, cast: Callable[[torch.Tensor], torch.Tensor] = _same
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]]:
+    """(qkv, o, gate|up, down) transposed matrices and biases of one HF decoder layer (differentiable when
+    called with grad enabled); ``cast`` is applied to every parameter first."""
+    a, m = layer.self_attn, layer.mlp
+    qkv_m, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
+    wts = (
+        fused_t(*(cast(x.weight) for x in qkv_m)),
+        fused_t(cast(a.o_proj.weight)),
+        fused_t(*(cast(x.weight) for x in gu)),
+        fused_t(cast(m.down_proj.weight)),
+    )
+    bs = tuple(
+        None if b is None else cast(b)
+        for b in (fused_bias(*qkv_m), fused_bias(a.o_proj), fused_bias(*gu), fused_bias(m.down_proj))
+    )
+    return wts, bs
+
+
+def rope_table(model: torch.nn.Module, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[n, head_dim]`` of positions ``0..n-1`` from the model's own rotary module."""
+    base = model.model
+    emb = base.embed_tokens.weight
+    with torch.no_grad():
+        pos = torch.arange(n).unsqueeze(0)
+        cos, sin = base.rotary_emb(emb[:1].unsqueeze(0).detach(), pos)
+    return cos[0].to(emb.dtype), sin[0].to(emb.dtype)
+
+
+def forward_tokens(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cast: Callable[[torch.Tensor], torch.Tensor] = _same,
+) -> torch.Tensor:
+    """Logits ``[S, L, V]`` of S right-padded sequences ``ids [S, L]`` (positions ``0..L-1``, no cache) from
+    the HF model's parameters, each passed through ``cast`` first (e.g. the rounding the engines' copy went
+    through); ``cos``/``sin`` from ``rope_table`` (at least L rows). The trainer's deterministic forward;
+    differentiable."""
+    base = model.model
+    cfg = model.config
+    eps = float(cfg.rms_norm_eps)
+    att0 = base.layers[0].self_attn
+    heads = (cfg.num_attention_heads, cfg.num_key_value_heads, att0.head_dim)
+    s_n, t = ids.shape
+    pos = torch.arange(t).unsqueeze(0).expand(s_n, t)
+    c, s = cos[:t].unsqueeze(1), sin[:t].unsqueeze(1)  # [t, 1, D]
+    embed = cast(base.embed_tokens.weight)
+    x = F.embedding(ids, embed)
+    for layer in base.layers:
+        wts, bs = layer_weights(layer, cast)
+        a = layer.self_attn
+        norms = (cast(a.q_norm.weight), cast(a.k_norm.weight)) if hasattr(a, "q_norm") else None
+        h = rms_norm(x, cast(layer.input_layernorm.weight), eps)
+        q, k, v = qkv(h, wts[0], bs[0], heads, norms, eps, c, s)
+        o = attention(q, k.transpose(1, 2), v.transpose(1, 2), pos, float(a.scaling))
+        x = mlp_out(x, o.flatten(2), wts, bs, cast(layer.post_attention_layernorm.weight), eps)
+    head = model.get_output_embeddings().weight
+    head_t = fused_t(embed if head is base.embed_tokens.weight else cast(head))
+    return logits(x, cast(base.norm.weight), head_t, eps)
