@@ -37,15 +37,17 @@ def _one_thread():
 # ---- primitives --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("k", "n"), [(256, 768), (768, 256), (1024, 512)])
-def test_linear_row_is_the_same_alone_and_anywhere_in_any_batch(k, n):
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("k", "n"), [(256, 768), (768, 256), (1024, 512), (2560, 768)])
+def test_linear_row_is_the_same_alone_and_anywhere_in_any_batch(k, n, threads):
+    torch.set_num_threads(threads)  # the fixture restores it
     g = torch.Generator().manual_seed(k)
     wt = torch.randn(n, k, generator=g).t().contiguous()
     b = torch.randn(n, generator=g)
-    x = torch.randn(300, k, generator=g)
+    x = torch.randn(1000, k, generator=g)
     row = x[0]
     alone = det.linear(row[None], wt, b)[0]
-    for m in (2, 5, 16, 17, 40, 300):
+    for m in (2, 5, 16, 17, 40, 300, 1000):
         for at in (0, m // 2, m - 1):
             batch = x[:m].clone()
             batch[at] = row

@@ -9,16 +9,17 @@ Why this is needed: a CPU GEMM (MKL/oneDNN) picks its kernel, blocking and remai
 the call, so the same row of ``X @ W`` rounds differently when computed alone, inside a larger batch, or at
 another position. What is used instead (each point checked by ``tests/model/test_deterministic.py``):
 
-- ``linear``: rows are padded with zeros to a multiple of ``TILE_ROWS`` and multiplied one tile per call, so
-  every output row comes out of an identically shaped ``[TILE_ROWS, K] @ [K, N]`` call; a row's bits do not
-  depend on its position inside the tile (measured) nor on the number of tiles (one call each, by
-  construction). A single call on the padded rows is NOT enough: for K >= 1024 MKL's result then depends on
-  the number of rows. The weight must be the contiguous ``[K, N]`` transposed matrix (both sides build it the
-  same way: ``torch.cat(ws).t().contiguous()``). The thread count is part of the shape: with K >= 1024 one
-  thread and two threads round differently, so the engine and the trainer must run with the same number of
-  threads (the run config enforces it).
+- ``linear``: rows are padded with zeros to a multiple of ``TILE_ROWS`` and the product is taken in slices
+  of ``K_CHUNK`` columns of K, one call per slice on all the rows, the partial products added in slice order
+  (elementwise). Measured on this CPU (tests/train/test_deterministic.py checks it where it runs): for a row
+  count that is a multiple of 16 and K < 1024, a row's bits do not depend on the number of rows or its
+  position (for K >= 1024 they do: hence the slices); a plain unpadded product changed row 0's bits in 62 of
+  62 batch sizes. The weight must be the contiguous ``[K, N]`` transposed matrix (both sides build it the
+  same way: ``torch.cat(ws).t().contiguous()``). The thread count is part of the shape: one thread and two
+  threads round differently, so the engine and the trainer must run with the same number of threads (the
+  run config enforces it).
 - ``attention``: per query, scores over blocks of ``KEY_BLOCK`` keys by batched matmuls of fixed item shapes
-  (``[TILE_ROWS, D] @ [D, KEY_BLOCK]`` and ``[TILE_ROWS, KEY_BLOCK] @ [KEY_BLOCK, D]``), an exact max over
+  (``[QUERY_ROWS, D] @ [D, KEY_BLOCK]`` and ``[QUERY_ROWS, KEY_BLOCK] @ [KEY_BLOCK, D]``), an exact max over
   all the query's keys, ``exp`` of masked scores (exactly 0 beyond the query's position), per-block sums of
   fixed length, and the blocks added in block order. Blocks past a query's position add exact zeros, so the
   number of blocks (the longest sequence of the batch) does not change a query's bits; nor does how the keys
@@ -41,20 +42,31 @@ import torch
 import torch.nn.functional as F
 
 TILE_ROWS = 16
-"""Rows per matmul call of ``linear`` (and query rows per attention item)."""
+"""``linear`` pads its rows to a multiple of this."""
+K_CHUNK = 512
+"""Width of the K slices ``linear`` multiplies one call each (MKL keeps a row's bits independent of the
+number of rows only below K = 1024 on the machines measured)."""
 KEY_BLOCK = 64
 """Keys per attention block."""
+QUERY_ROWS = 4
+"""Query rows (a query's heads sharing a kv head, query-major) per attention item."""
 
 
 def linear(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., K] @ wt [K, N] (+ b)`` with every output row from an identically shaped matmul call."""
+    """``x [..., K] @ wt [K, N] (+ b)``, each output row's bits independent of the other rows (see the
+    module docstring): rows padded with zeros to a multiple of ``TILE_ROWS``, the product taken in
+    ``K_CHUNK``-wide slices of K (one call each) summed in slice order."""
     lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k).contiguous()
+    x2 = x.reshape(-1, k)
     n = x2.shape[0]
     pad = (-n) % TILE_ROWS
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, k)])
-    y = torch.cat([x2[i : i + TILE_ROWS] @ wt for i in range(0, n + pad, TILE_ROWS)])
+    y = None
+    for c in range(0, k, K_CHUNK):
+        part = x2[:, c : c + K_CHUNK].contiguous() @ wt[c : c + K_CHUNK]
+        y = part if y is None else y + part
+    assert y is not None
     if pad:
         y = y[:n]
     if b is not None:
@@ -87,7 +99,7 @@ def attention(
     s_n, lq, h, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     g = h // hkv
-    bk, tr = KEY_BLOCK, TILE_ROWS
+    bk, tr = KEY_BLOCK, QUERY_ROWS
     nb = -(-lk // bk)
     padk = nb * bk - lk
     if padk:
