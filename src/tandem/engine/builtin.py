@@ -38,7 +38,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,7 @@ from tandem.core.config import EngineConfig
 from tandem.core.errors import EngineError, ModelLoadError
 from tandem.core.generation import Completion, GenerationRequest
 from tandem.engine.checks import check_request, convert_patches, convert_tensors
+from tandem.engine.front import Pending, RequestFront, error_completion, resolve
 from tandem.engine.prefix import PrefixCache
 from tandem.engine.runner import FastRunner, HFRunner, Write, apply_writes, fast_supported
 from tandem.engine.sampling import UniformStream, sample
@@ -73,13 +74,6 @@ class _Session:
 
 
 @dataclass
-class _Pending:
-    request: GenerationRequest
-    future: Future
-    number: int
-
-
-@dataclass
 class _Update:
     """A queued weight change: full ``tensors`` and/or element ``patches`` (flat index, values)."""
 
@@ -93,18 +87,7 @@ class _Update:
     pause_s: float = 0.0
 
 
-def _resolve(fut: Future, completion: Completion) -> None:
-    try:
-        fut.set_result(completion)
-    except InvalidStateError:  # cancelled by the caller
-        pass
-
-
-def _error(msg: str) -> Completion:
-    return Completion([], [], [], "error", msg)
-
-
-class BuiltinEngine:
+class BuiltinEngine(RequestFront):
     """Continuous-batching engine over a HF causal LM (see module docstring)."""
 
     def __init__(
@@ -148,7 +131,7 @@ class BuiltinEngine:
         self._targets = dict(self.model.state_dict(keep_vars=True))
         self._cv = threading.Condition()
         self._work = threading.Lock()  # held while the model or the cache is used
-        self._queue: collections.deque[_Pending] = collections.deque()
+        self._queue: collections.deque[Pending] = collections.deque()
         self._updates: list[_Update] = []
         self._active: list[_Session] = []  # index == slot
         self._thread: threading.Thread | None = None
@@ -221,29 +204,10 @@ class BuiltinEngine:
         with self._work:
             self._prefix.drop_all()
         for item in [*pending, *sessions]:
-            _resolve(item.future, _error("engine stopped"))
+            resolve(item.future, error_completion("engine stopped"))
         for u in updates:
             u.error = EngineError("engine stopped before the weight update was applied")
             u.done.set()
-
-    def submit(self, request: GenerationRequest) -> Future:
-        """Queue one request; the future resolves to its Completion. Starts the loop if never started."""
-        fut: Future = Future()
-        with self._cv:
-            if self._stopped:
-                _resolve(fut, _error("engine stopped; call start() to serve again"))
-                return fut
-            self._queue.append(_Pending(request, fut, self._submitted))
-            self._submitted += 1
-            self._cv.notify_all()
-            start = not self._running
-        if start:
-            self.start()
-        return fut
-
-    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
-        futures = [self.submit(r) for r in requests]
-        return [f.result() for f in futures]
 
     def update_weights(self, version: int, tensors: dict[str, np.ndarray | torch.Tensor]) -> float:
         """Copy ``tensors`` into the parameters between decode steps; later tokens carry ``version``.
@@ -290,15 +254,6 @@ class BuiltinEngine:
         update.done.wait()
         if update.error is not None:
             raise update.error
-
-    def health(self) -> dict[str, Any]:
-        with self._cv:
-            return {
-                "ok": not self._stopped,
-                "version": self._version,
-                "active": len(self._active),
-                "queued": len(self._queue),
-            }
 
     def stats(self) -> dict[str, Any]:
         with self._cv:
@@ -356,12 +311,12 @@ class BuiltinEngine:
         """Error message, or the number of new tokens this request may sample."""
         return check_request(req, self.vocab_size, self.config.max_seq_len)
 
-    def _admit(self, admitted: list[_Pending]) -> None:
+    def _admit(self, admitted: list[Pending]) -> None:
         fresh: list[_Session] = []
         for item in admitted:
             check = self._check(item.request)
             if isinstance(check, str):
-                _resolve(item.future, _error(check))
+                resolve(item.future, error_completion(check))
                 continue
             sp = item.request.params
             seed = sp.seed if sp.seed is not None else self.seed * 1_000_003 + item.number
@@ -392,7 +347,7 @@ class BuiltinEngine:
                 for k in range(len(batch)):
                     self._runner.release(first + k)
                 for s in batch:
-                    _resolve(s.future, _error(f"prefill failed: {type(e).__name__}: {e}"))
+                    resolve(s.future, error_completion(f"prefill failed: {type(e).__name__}: {e}"))
                 i = j
                 continue
             self._active.extend(batch)
@@ -435,7 +390,7 @@ class BuiltinEngine:
             if self._runner.records_routes:
                 self._runner.feed(slot, s.tokens[-1])
                 completion.routed_experts = self._runner.routes(slot).copy()
-            _resolve(s.future, completion)
+            resolve(s.future, completion)
             self._remove(slot, [*s.request.prompt_ids, *s.tokens])
 
     def _remove(self, slot: int, sequence: list[int]) -> None:
@@ -456,4 +411,4 @@ class BuiltinEngine:
             self._runner.release(slot)
         self._prefix.drop_all()
         for s in sessions:
-            _resolve(s.future, _error(msg))
+            resolve(s.future, error_completion(msg))

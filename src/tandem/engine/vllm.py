@@ -52,8 +52,8 @@ import torch
 from tandem.core.config import EngineConfig
 from tandem.core.errors import EngineError, ModelLoadError
 from tandem.core.generation import Completion, GenerationRequest
-from tandem.engine.builtin import _error, _resolve
 from tandem.engine.checks import check_request, convert_patches, convert_tensors
+from tandem.engine.front import Pending, RequestFront, error_completion, resolve
 
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -178,7 +178,7 @@ class _Update:
     pause_s: float = 0.0
 
 
-class VllmEngine:
+class VllmEngine(RequestFront):
     """Continuous batching by vLLM, with tandem's request, version and weight-update semantics."""
 
     def __init__(
@@ -223,7 +223,7 @@ class VllmEngine:
         self.supports_top_p = False  # the gateway answers top_p < 1 with 400 (see the module docstring)
         self._llm = self._start_vllm(p, hf_config, dtype, routed_experts)
         self._cv = threading.Condition()
-        self._queue: collections.deque[tuple[GenerationRequest, Future, int]] = collections.deque()
+        self._queue: collections.deque[Pending] = collections.deque()
         self._updates: list[_Update] = []
         self._active: dict[str, _Session] = {}
         self._thread: threading.Thread | None = None
@@ -317,10 +317,10 @@ class VllmEngine:
             updates, self._updates = self._updates, []
         if sessions:
             self._llm.abort_request(list(sessions))
-        for _, fut, _ in pending:
-            _resolve(fut, _error("engine stopped"))
+        for p in pending:
+            resolve(p.future, error_completion("engine stopped"))
         for s in sessions.values():
-            _resolve(s.future, _error("engine stopped"))
+            resolve(s.future, error_completion("engine stopped"))
         for u in updates:
             u.error = EngineError("engine stopped before the weight update was applied")
             u.done.set()
@@ -330,25 +330,6 @@ class VllmEngine:
         self.stop()
         with contextlib.suppress(Exception):
             self._llm.engine_core.shutdown()
-
-    def submit(self, request: GenerationRequest) -> Future:
-        """Queue one request; the future resolves to its Completion. Starts the loop if never started."""
-        fut: Future = Future()
-        with self._cv:
-            if self._stopped:
-                _resolve(fut, _error("engine stopped; call start() to serve again"))
-                return fut
-            self._queue.append((request, fut, self._submitted))
-            self._submitted += 1
-            self._cv.notify_all()
-            start = not self._running
-        if start:
-            self.start()
-        return fut
-
-    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
-        futures = [self.submit(r) for r in requests]
-        return [f.result() for f in futures]
 
     def update_weights(self, version: int, tensors: dict[str, np.ndarray | torch.Tensor]) -> float:
         """Replace whole tensors (checkpoint names) between two steps; later tokens carry ``version``.
@@ -376,15 +357,6 @@ class VllmEngine:
         if update.error is not None:
             raise update.error
 
-    def health(self) -> dict[str, Any]:
-        with self._cv:
-            return {
-                "ok": not self._stopped,
-                "version": self._version,
-                "active": len(self._active),
-                "queued": len(self._queue),
-            }
-
     def stats(self) -> dict[str, Any]:
         with self._cv:
             return {**self._stats, "parked": 0, "uptime_s": time.monotonic() - self._t0}
@@ -409,7 +381,7 @@ class VllmEngine:
                 for u in updates:
                     self._apply(u)
                 for item in admitted:
-                    self._add(*item)
+                    self._add(item.request, item.future, item.number)
                 if self._active:
                     self._step()
             except Exception as e:  # noqa: BLE001 - a bug must not kill the engine; fail the sessions
@@ -453,7 +425,7 @@ class VllmEngine:
                 "which tandem's importance ratios need; use top_p=1.0 or engine.kind='builtin'"
             )
         if isinstance(check, str):
-            _resolve(fut, _error(check))
+            resolve(fut, error_completion(check))
             return
         seed = sp.seed if sp.seed is not None else self.seed * 1_000_003 + number
         params = SamplingParams(
@@ -471,7 +443,7 @@ class VllmEngine:
         try:
             self._llm.add_request(rid, {"prompt_token_ids": [int(t) for t in request.prompt_ids]}, params)
         except Exception as e:  # noqa: BLE001 - vLLM's own validation: report it on this request
-            _resolve(fut, _error(f"vLLM refused the request: {type(e).__name__}: {e}"))
+            resolve(fut, error_completion(f"vLLM refused the request: {type(e).__name__}: {e}"))
             return
         self._active[rid] = _Session(request, fut)
 
@@ -503,13 +475,13 @@ class VllmEngine:
                 del self._active[out.request_id]
                 reason = comp.finish_reason
                 if reason not in ("stop", "length"):
-                    _resolve(s.future, _error(f"vLLM finished the request with {reason!r}"))
+                    resolve(s.future, error_completion(f"vLLM finished the request with {reason!r}"))
                     continue
                 routed = getattr(comp, "routed_experts", None)
                 completion = Completion(s.tokens, s.logprobs, s.versions, reason)
                 if routed is not None:
                     completion.routed_experts = np.asarray(routed).tolist()
-                _resolve(s.future, completion)
+                resolve(s.future, completion)
         with self._cv:
             self._stats["steps"] += 1
             self._stats["tokens_generated"] += new_tokens
@@ -519,4 +491,4 @@ class VllmEngine:
         with contextlib.suppress(Exception):
             self._llm.abort_request(list(sessions))
         for s in sessions.values():
-            _resolve(s.future, _error(msg))
+            resolve(s.future, error_completion(msg))

@@ -1,0 +1,87 @@
+"""The request side every tandem engine shares: a queue of pending requests behind one condition variable.
+
+Invariants:
+- ``submit`` never blocks on the model: it queues a ``Pending`` (the request, its future and its submission
+  number, from which a request without a seed derives its own) and wakes the engine's loop; a stopped engine
+  resolves the future at once with an error completion; an engine never started starts on first submit.
+- A future is resolved exactly once with a ``Completion`` (``resolve`` ignores futures the caller cancelled);
+  errors are ``Completion(finish_reason="error")`` (``error_completion``), never exceptions.
+- ``health`` reads the queue and the active sessions under the same lock the loop uses.
+
+An engine using ``RequestFront`` provides ``_cv`` (threading.Condition), ``_queue`` (deque of Pending),
+``_active`` (sized), ``_stopped``, ``_running``, ``_submitted``, ``_version`` and ``start()``.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.core.generation import Completion, GenerationRequest
+
+
+@dataclass
+class Pending:
+    """A request waiting for the engine's loop."""
+
+    request: GenerationRequest
+    future: Future
+    number: int
+
+
+def resolve(fut: Future, completion: Completion) -> None:
+    """Set ``fut``'s result unless the caller cancelled it."""
+    try:
+        fut.set_result(completion)
+    except InvalidStateError:  # cancelled by the caller
+        pass
+
+
+def error_completion(msg: str) -> Completion:
+    """The completion of a request that failed with ``msg``."""
+    return Completion([], [], [], "error", msg)
+
+
+class RequestFront:
+    """``submit``, ``generate`` and ``health`` over the engine's queue (see module invariants)."""
+
+    _cv: Any
+    _queue: Any
+    _active: Any
+    _stopped: bool
+    _running: bool
+    _submitted: int
+    _version: int
+
+    def start(self) -> None:  # pragma: no cover - provided by the engine
+        raise NotImplementedError
+
+    def submit(self, request: GenerationRequest) -> Future:
+        """Queue one request; the future resolves to its Completion. Starts the loop if never started."""
+        fut: Future = Future()
+        with self._cv:
+            if self._stopped:
+                resolve(fut, error_completion("engine stopped; call start() to serve again"))
+                return fut
+            self._queue.append(Pending(request, fut, self._submitted))
+            self._submitted += 1
+            self._cv.notify_all()
+            start = not self._running
+        if start:
+            self.start()
+        return fut
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
+        """Submit all, wait for all (in order)."""
+        futures = [self.submit(r) for r in requests]
+        return [f.result() for f in futures]
+
+    def health(self) -> dict[str, Any]:
+        with self._cv:
+            return {
+                "ok": not self._stopped,
+                "version": self._version,
+                "active": len(self._active),
+                "queued": len(self._queue),
+            }
