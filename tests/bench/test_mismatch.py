@@ -18,7 +18,8 @@ def _bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def test_bench_mismatch_prints_every_setting_and_r3_agrees():
-    r = _bench("--json", "--prompts", "2", "--prompt-len", "8", "--new-tokens", "6", "--threads", "1")
+    sizes = ["--prompts", "2", "--prompt-len", "8", "--new-tokens", "6", "--threads", "1", "--repeats", "2"]
+    r = _bench("--json", *sizes)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     rows = out["settings"]
@@ -57,7 +58,7 @@ def test_bench_mismatch_rejects_bad_sizes():
     from tandem.cli.main import app
 
     runner = CliRunner()
-    bad = {"--prompts": "3", "--new-tokens": "0", "--prompt-len": "-1", "--threads": "0"}
+    bad = {"--prompts": "3", "--new-tokens": "0", "--prompt-len": "-1", "--threads": "0", "--repeats": "0"}
     for flag, value in bad.items():
         r = runner.invoke(app, ["bench", "mismatch", flag, value])
         assert r.exit_code == 2 and flag in r.output, (flag, r.output[-500:])

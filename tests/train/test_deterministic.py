@@ -57,7 +57,7 @@ def test_linear_row_is_the_same_alone_and_anywhere_in_any_batch(k, n, threads):
 
 
 def test_plain_matmul_is_not_batch_invariant_here():
-    """Why the tiles exist (printed, not asserted: were it invariant, the tiles would only cost time)."""
+    """Why padding and K slices exist (printed, not asserted: were it invariant, they would only cost)."""
     g = torch.Generator().manual_seed(1)
     wt = torch.randn(768, 256, generator=g).t().contiguous()
     x = torch.randn(64, 256, generator=g)

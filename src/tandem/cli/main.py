@@ -352,12 +352,15 @@ def bench_mismatch(
     publish: Annotated[
         str, typer.Option(help="Precision the engine gets the weights in: bfloat16 (delta path) | float32.")
     ] = "bfloat16",
+    repeats: Annotated[int, typer.Option(help="Rounds per setting, modes interleaved; best counts.")] = 3,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Sampler-vs-trainer mismatch (kl_k3, max |dlogp|), MoE routing agreement and slowdown per mode."""
     if prompts < 2 or prompts % 2:
         fail(f"--prompts must be an even number >= 2 (pairs form groups of two), got {prompts}")
-    for flag, value in (("--prompt-len", prompt_len), ("--new-tokens", new_tokens), ("--threads", threads)):
+    sizes = {"--prompt-len": prompt_len, "--new-tokens": new_tokens, "--threads": threads}
+    sizes["--repeats"] = repeats
+    for flag, value in sizes.items():
         if value < 1:
             fail(f"{flag} must be >= 1, got {value}")
     if publish not in ("bfloat16", "float32"):
@@ -375,6 +378,7 @@ def bench_mismatch(
             threads=threads,
             seed=seed,
             publish_dtype=publish,
+            repeats=repeats,
         )
     except ValueError as e:
         fail(str(e))

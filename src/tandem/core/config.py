@@ -395,8 +395,8 @@ class TrainConfig(Section):
     (the engine actors read this flag too): the same tokens get bitwise the same logprobs whatever else
     shares their batch, so the sampler's and the trainer's logprobs of a token are equal when both hold the
     same weights (``train/mismatch_kl_k3 == 0``). Needs engine.kind='builtin', model.dtype='float32' and
-    engine.threads == train.threads (the thread count changes how a CPU matmul rounds); slower (fixed-shape
-    matmul tiles, whole key blocks in attention)."""
+    engine.threads == train.threads (the thread count changes how a CPU matmul rounds); slower (row-padded
+    matmuls in fixed K slices, whole key blocks in attention: about 1.4x, see `tandem bench mismatch`)."""
     checkpoint_every: int = 10
     """Save a resumable checkpoint every N steps (and at the end)."""
     seed: int = 0

@@ -19,7 +19,9 @@ another position. What is used instead (each point checked by ``tests/model/test
   threads round differently, so the engine and the trainer must run with the same number of threads (the
   run config enforces it).
 - ``attention``: per query, scores over blocks of ``KEY_BLOCK`` keys by batched matmuls of fixed item shapes
-  (``[QUERY_ROWS, D] @ [D, KEY_BLOCK]`` and ``[QUERY_ROWS, KEY_BLOCK] @ [KEY_BLOCK, D]``), an exact max over
+  (``[R, D] @ [D, KEY_BLOCK]`` and ``[R, KEY_BLOCK] @ [KEY_BLOCK, D]`` per sequence, kv head and key block,
+  R = the query rows padded to a multiple of ``QUERY_ROW_MULTIPLE``: measured, a row's bits do not depend on
+  R nor on the item's place in the batch at these inner sizes), an exact max over
   all the query's keys, ``exp`` of masked scores (exactly 0 beyond the query's position), per-block sums of
   fixed length, and the blocks added in block order. Blocks past a query's position add exact zeros, so the
   number of blocks (the longest sequence of the batch) does not change a query's bits; nor does how the keys
@@ -43,13 +45,14 @@ import torch.nn.functional as F
 
 TILE_ROWS = 16
 """``linear`` pads its rows to a multiple of this."""
+QUERY_ROW_MULTIPLE = 4
+"""``attention`` pads each item's query rows to a multiple of this (a batched matmul with inner size 64-128
+keeps a row's bits whatever the row count, measured for even counts; odd counts differ)."""
 K_CHUNK = 512
 """Width of the K slices ``linear`` multiplies one call each (MKL keeps a row's bits independent of the
 number of rows only below K = 1024 on the machines measured)."""
 KEY_BLOCK = 64
 """Keys per attention block."""
-QUERY_ROWS = 4
-"""Query rows (a query's heads sharing a kv head, query-major) per attention item."""
 
 
 def linear(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,6 +89,26 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rot * sin
 
 
+def _key_blocks(x: torch.Tensor, nb: int, transpose: bool) -> torch.Tensor:
+    """``x [S, Hkv, Lk, D]`` as ``nb`` zero-padded blocks of ``KEY_BLOCK`` keys, contiguous
+    ``[S, Hkv, nb, B, D]`` (or ``[S, Hkv, nb, D, B]`` with ``transpose``): one copy, only the padding zeroed.
+    Under autograd, the plain pad-and-reshape (same values, same layout)."""
+    s_n, hkv, lk, d = x.shape
+    bk = KEY_BLOCK
+    if torch.is_grad_enabled() and x.requires_grad:
+        xb = F.pad(x, (0, 0, 0, nb * bk - lk)).reshape(s_n, hkv, nb, bk, d)
+        return (xb.transpose(-1, -2) if transpose else xb).contiguous()
+    out = x.new_empty((s_n, hkv, nb, d, bk) if transpose else (s_n, hkv, nb, bk, d))
+    view = out.transpose(-1, -2) if transpose else out  # [S, Hkv, nb, B, D]
+    full, rem = divmod(lk, bk)
+    if full:
+        view[:, :, :full] = x[:, :, : full * bk].unflatten(2, (full, bk))
+    if full < nb:
+        view[:, :, full, :rem] = x[:, :, full * bk :]
+        view[:, :, full, rem:] = 0
+    return out
+
+
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -99,41 +122,34 @@ def attention(
     s_n, lq, h, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     g = h // hkv
-    bk, tr = KEY_BLOCK, QUERY_ROWS
+    bk = KEY_BLOCK
     nb = -(-lk // bk)
-    padk = nb * bk - lk
-    if padk:
-        k = F.pad(k, (0, 0, 0, padk))
-        v = F.pad(v, (0, 0, 0, padk))
-    kt = k.reshape(s_n, hkv, nb, bk, d).transpose(-1, -2).contiguous()  # [S, Hkv, nb, D, B]
-    vb = v.reshape(s_n, hkv, nb, bk, d).contiguous()  # [S, Hkv, nb, B, D]
-    # Rows: per (sequence, kv head) the g query heads of each query, query-major, padded to whole tiles.
+    kt = _key_blocks(k, nb, transpose=True)  # [S, Hkv, nb, D, B]
+    vb = _key_blocks(v, nb, transpose=False)  # [S, Hkv, nb, B, D]
+    # Rows: per (sequence, kv head) the g query heads of each query, query-major, padded to a multiple of
+    # QUERY_ROW_MULTIPLE; one matmul item per (sequence, kv head, key block) takes all the rows at once.
     r = lq * g
-    padr = (-r) % tr
-    nt = (r + padr) // tr
+    rows = r + (-r) % QUERY_ROW_MULTIPLE
     qr = q.reshape(s_n, lq, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(s_n, hkv, r, d)
     rpos = qpos.repeat_interleave(g, dim=1)  # [S, r]
-    if padr:
-        qr = F.pad(qr, (0, 0, 0, padr))
-        rpos = F.pad(rpos, (0, padr))  # padding rows attend key 0 only (finite, discarded)
-    qr = qr.reshape(s_n, hkv, nt, 1, tr, d)
-    items = (s_n, hkv, nt, nb)
-    q3 = qr.expand(*items, tr, d).contiguous().view(-1, tr, d)
-    k3 = kt.unsqueeze(2).expand(*items, d, bk).contiguous().view(-1, d, bk)
-    scores = torch.bmm(q3, k3).view(*items, tr, bk) * scale
-    kpos = torch.arange(nb * bk).view(1, 1, 1, nb, 1, bk)
-    masked = kpos > rpos.view(s_n, 1, nt, 1, tr, 1)
+    if rows > r:
+        qr = F.pad(qr, (0, 0, 0, rows - r))
+        rpos = F.pad(rpos, (0, rows - r))  # padding rows attend key 0 only (finite, discarded)
+    items = (s_n, hkv, nb)
+    q3 = qr.unsqueeze(2).expand(*items, rows, d).contiguous().view(-1, rows, d)
+    scores = torch.bmm(q3, kt.view(-1, d, bk)).view(*items, rows, bk) * scale
+    kpos = torch.arange(nb * bk).view(1, 1, nb, 1, bk)
+    masked = kpos > rpos.view(s_n, 1, 1, rows, 1)
     scores = scores.masked_fill(masked, float("-inf"))
-    m = scores.detach().amax(dim=(3, 5), keepdim=True)  # exact; a constant for the gradient
+    m = scores.detach().amax(dim=(2, 4), keepdim=True)  # exact; a constant for the gradient
     e = torch.exp(scores - m)
-    part_l = e.sum(-1)  # [S, Hkv, nt, nb, T]
-    v3 = vb.unsqueeze(2).expand(*items, bk, d).contiguous().view(-1, bk, d)
-    part_o = torch.bmm(e.reshape(-1, tr, bk), v3).view(*items, tr, d)
-    acc_o, acc_l = part_o[:, :, :, 0], part_l[:, :, :, 0]
+    part_l = e.sum(-1)  # [S, Hkv, nb, rows]
+    part_o = torch.bmm(e.reshape(-1, rows, bk), vb.view(-1, bk, d)).view(*items, rows, d)
+    acc_o, acc_l = part_o[:, :, 0], part_l[:, :, 0]
     for j in range(1, nb):  # in block order: blocks past a query's position add exact zeros
-        acc_o = acc_o + part_o[:, :, :, j]
-        acc_l = acc_l + part_l[:, :, :, j]
-    out = (acc_o / acc_l.unsqueeze(-1)).reshape(s_n, hkv, nt * tr, d)[:, :, :r]
+        acc_o = acc_o + part_o[:, :, j]
+        acc_l = acc_l + part_l[:, :, j]
+    out = (acc_o / acc_l.unsqueeze(-1))[:, :, :r]
     return out.reshape(s_n, hkv, lq, g, d).permute(0, 2, 1, 3, 4).reshape(s_n, lq, h, d)
 
 
