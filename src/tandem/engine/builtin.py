@@ -129,23 +129,9 @@ class BuiltinEngine(RequestFront):
                 self._runner = runner_cls(self.model, n_slots, config.max_seq_len)
         self._prefix = PrefixCache(self._runner, n_slots, config.max_parked)
         self._targets = dict(self.model.state_dict(keep_vars=True))
-        self._cv = threading.Condition()
         self._work = threading.Lock()  # held while the model or the cache is used
-        self._queue: collections.deque[Pending] = collections.deque()
         self._updates: list[_Update] = []
-        self._active: list[_Session] = []  # index == slot
-        self._thread: threading.Thread | None = None
-        self._running = False
-        self._stopped = False
-        self._submitted = 0
-        self._t0 = time.monotonic()
-        self._stats = {
-            "busy_s": 0.0,
-            "tokens_generated": 0,
-            "prefill_tokens": 0,
-            "prefix_hit_tokens": 0,
-            "steps": 0,
-        }
+        self._init_front([])  # _active: list of _Session, index == slot
 
     @classmethod
     def from_path(

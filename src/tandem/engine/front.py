@@ -14,6 +14,9 @@ An engine using ``RequestFront`` provides ``_cv`` (threading.Condition), ``_queu
 
 from __future__ import annotations
 
+import collections
+import threading
+import time
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +56,25 @@ class RequestFront:
     _running: bool
     _submitted: int
     _version: int
+
+    def _init_front(self, active: Any) -> None:
+        """The request side's state: lock, empty queue, ``active`` (the engine's container of running
+        sessions), flags, submission counter, start time and the counters every engine reports."""
+        self._cv = threading.Condition()
+        self._queue: collections.deque[Pending] = collections.deque()
+        self._active = active
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self._stopped = False
+        self._submitted = 0
+        self._t0 = time.monotonic()
+        self._stats: dict[str, float] = {
+            "busy_s": 0.0,
+            "tokens_generated": 0,
+            "prefill_tokens": 0,
+            "prefix_hit_tokens": 0,
+            "steps": 0,
+        }
 
     def start(self) -> None:  # pragma: no cover - provided by the engine
         raise NotImplementedError

@@ -53,7 +53,7 @@ from tandem.core.config import EngineConfig
 from tandem.core.errors import EngineError, ModelLoadError
 from tandem.core.generation import Completion, GenerationRequest
 from tandem.engine.checks import check_request, convert_patches, convert_tensors
-from tandem.engine.front import Pending, RequestFront, error_completion, resolve
+from tandem.engine.front import RequestFront, error_completion, resolve
 
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -222,23 +222,9 @@ class VllmEngine(RequestFront):
         self.max_top_logprobs = 0
         self.supports_top_p = False  # the gateway answers top_p < 1 with 400 (see the module docstring)
         self._llm = self._start_vllm(p, hf_config, dtype, routed_experts)
-        self._cv = threading.Condition()
-        self._queue: collections.deque[Pending] = collections.deque()
         self._updates: list[_Update] = []
-        self._active: dict[str, _Session] = {}
-        self._thread: threading.Thread | None = None
-        self._running = False
-        self._stopped = False
-        self._submitted = 0
-        self._t0 = time.monotonic()
-        self._stats = {
-            "busy_s": 0.0,
-            "tokens_generated": 0,
-            "prefill_tokens": 0,
-            "prefix_hit_tokens": 0,
-            "steps": 0,
-            "weight_reload_s": 0.0,
-        }
+        self._init_front({})  # _active: request id -> _Session
+        self._stats["weight_reload_s"] = 0.0
 
     @classmethod
     def from_path(
