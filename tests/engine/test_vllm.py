@@ -108,6 +108,12 @@ def test_run_config_refuses_top_p_with_the_vllm_engine():
         RunConfig.model_validate({"engine": {"kind": "vllm"}, "rollout": {"top_p": 0.9}})
 
 
+def test_run_config_checks_the_cpu_binding():
+    assert RunConfig.model_validate({"engine": {"vllm_cpu_bind": "0-1"}}).engine.vllm_cpu_bind == "0-1"
+    with pytest.raises(ValidationError, match="vllm_cpu_bind"):
+        RunConfig.model_validate({"engine": {"vllm_cpu_bind": "banana"}})
+
+
 def test_fused_modules_reload_together():
     names = {f"m.l.0.self_attn.{p}_proj.weight" for p in "qkvo"} | {"m.l.0.mlp.up_proj.weight"}
     names |= {"m.l.0.mlp.gate_proj.weight", "m.l.0.mlp.down_proj.weight"}

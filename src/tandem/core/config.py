@@ -303,7 +303,7 @@ class EngineConfig(Section):
     """Number of engine actors."""
     vllm_kv_cache_gib: int = Field(default=0, ge=0)
     """vLLM on CPU: GiB of KV cache (0: enough for (max_batch + max_parked) x max_seq_len tokens)."""
-    vllm_cpu_bind: str = "nobind"
+    vllm_cpu_bind: str = Field(default="nobind", pattern=r"^(auto|nobind|[0-9][0-9,|-]*)$")
     """vLLM on CPU: VLLM_CPU_OMP_THREADS_BIND ("nobind": share the cores with the trainer; "auto" or a list
     such as "0-1" pins the engine's OpenMP threads)."""
 
