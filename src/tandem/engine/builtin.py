@@ -160,14 +160,6 @@ class BuiltinEngine(RequestFront):
     def version(self) -> int:
         return self._version
 
-    def start(self) -> None:
-        with self._cv:
-            if self._running:
-                return
-            self._running, self._stopped = True, False
-            self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
-            self._thread.start()
-
     def stop(self) -> None:
         with self._cv:
             if not self._running:
@@ -247,29 +239,14 @@ class BuiltinEngine(RequestFront):
 
     # ---- the loop --------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while self._running and not (self._queue or self._updates or self._active):
-                    self._cv.wait()
-                if not self._running:
-                    return
-                updates, self._updates = self._updates, []
-                n_free = self.config.max_batch - len(self._active)
-                admitted = [self._queue.popleft() for _ in range(min(n_free, len(self._queue)))]
-            t0 = time.perf_counter()
-            try:
-                with self._work:
-                    for u in updates:
-                        self._apply(u)
-                    with torch.inference_mode():
-                        self._admit(admitted)
-                        if self._active:
-                            self._step()
-            except Exception as e:  # noqa: BLE001 - a bug must not kill the engine; fail the sessions instead
-                self._fail_active(f"engine error: {type(e).__name__}: {e}")
-            with self._cv:
-                self._stats["busy_s"] += time.perf_counter() - t0
+    def _iteration(self, updates: list[_Update], admitted: list[Pending]) -> None:
+        with self._work:
+            for u in updates:
+                self._apply(u)
+            with torch.inference_mode():
+                self._admit(admitted)
+                if self._active:
+                    self._step()
 
     def _apply(self, u: _Update) -> None:
         t0 = time.perf_counter()

@@ -8,8 +8,10 @@ Invariants:
   errors are ``Completion(finish_reason="error")`` (``error_completion``), never exceptions.
 - ``health`` reads the queue and the active sessions under the same lock the loop uses.
 
-An engine using ``RequestFront`` provides ``_cv`` (threading.Condition), ``_queue`` (deque of Pending),
-``_active`` (sized), ``_stopped``, ``_running``, ``_submitted``, ``_version`` and ``start()``.
+An engine using ``RequestFront`` calls ``_init_front`` and provides ``config.max_batch``, ``_updates``
+(list of queued weight updates), ``_version``, ``_iteration(updates, admitted)`` (apply the updates, admit the
+requests, advance the active sessions one step) and ``_fail_active(msg)``; ``start()`` runs ``_loop`` in a
+thread.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ def error_completion(msg: str) -> Completion:
 class RequestFront:
     """``submit``, ``generate`` and ``health`` over the engine's queue (see module invariants)."""
 
+    config: Any
+    _updates: list[Any]
     _cv: Any
     _queue: Any
     _active: Any
@@ -76,7 +80,45 @@ class RequestFront:
             "steps": 0,
         }
 
-    def start(self) -> None:  # pragma: no cover - provided by the engine
+    _thread_name = "tandem-engine"
+
+    def start(self) -> None:
+        """Start the loop thread (no-op when it runs)."""
+        with self._cv:
+            if self._running:
+                return
+            self._running, self._stopped = True, False
+            self._thread = threading.Thread(target=self._loop, name=self._thread_name, daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        """Wait for work; take the queued weight updates and as many requests as ``config.max_batch`` has
+        room for; run one ``_iteration``. An exception fails the active sessions, never the loop."""
+        self._loop_setup()
+        while True:
+            with self._cv:
+                while self._running and not (self._queue or self._updates or self._active):
+                    self._cv.wait()
+                if not self._running:
+                    return
+                updates, self._updates = self._updates, []
+                room = self.config.max_batch - len(self._active)
+                admitted = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+            t0 = time.perf_counter()
+            try:
+                self._iteration(updates, admitted)
+            except Exception as e:  # noqa: BLE001 - a bug must not kill the engine; fail the sessions
+                self._fail_active(f"engine error: {type(e).__name__}: {e}")
+            with self._cv:
+                self._stats["busy_s"] += time.perf_counter() - t0
+
+    def _loop_setup(self) -> None:
+        """Runs once in the loop thread before the first iteration."""
+
+    def _iteration(self, updates: list[Any], admitted: list[Pending]) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def _fail_active(self, msg: str) -> None:  # pragma: no cover - provided by the engine
         raise NotImplementedError
 
     def submit(self, request: GenerationRequest) -> Future:

@@ -53,7 +53,7 @@ from tandem.core.config import EngineConfig
 from tandem.core.errors import EngineError, ModelLoadError
 from tandem.core.generation import Completion, GenerationRequest
 from tandem.engine.checks import check_request, convert_patches, convert_tensors
-from tandem.engine.front import RequestFront, error_completion, resolve
+from tandem.engine.front import Pending, RequestFront, error_completion, resolve
 
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -280,14 +280,6 @@ class VllmEngine(RequestFront):
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
 
-    def start(self) -> None:
-        with self._cv:
-            if self._running:
-                return
-            self._running, self._stopped = True, False
-            self._thread = threading.Thread(target=self._loop, name="tandem-vllm", daemon=True)
-            self._thread.start()
-
     def stop(self) -> None:
         with self._cv:
             self._running = False
@@ -349,31 +341,20 @@ class VllmEngine(RequestFront):
 
     # ---- the loop --------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
+    _thread_name = "tandem-vllm"
+
+    def _loop_setup(self) -> None:
         # vLLM's CPU attention checks that a step runs with the OpenMP thread count it was set up with; a new
         # thread starts with the process default, so set it here.
         torch.set_num_threads(max(1, self.config.threads))
-        while True:
-            with self._cv:
-                while self._running and not (self._queue or self._updates or self._active):
-                    self._cv.wait()
-                if not self._running:
-                    return
-                updates, self._updates = self._updates, []
-                room = self.config.max_batch - len(self._active)
-                admitted = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
-            t0 = time.perf_counter()
-            try:
-                for u in updates:
-                    self._apply(u)
-                for item in admitted:
-                    self._add(item.request, item.future, item.number)
-                if self._active:
-                    self._step()
-            except Exception as e:  # noqa: BLE001 - a bug must not kill the engine; fail the sessions
-                self._fail_active(f"engine error: {type(e).__name__}: {e}")
-            with self._cv:
-                self._stats["busy_s"] += time.perf_counter() - t0
+
+    def _iteration(self, updates: list[_Update], admitted: list[Pending]) -> None:
+        for u in updates:
+            self._apply(u)
+        for item in admitted:
+            self._add(item.request, item.future, item.number)
+        if self._active:
+            self._step()
 
     def _apply(self, u: _Update) -> None:
         t0 = time.perf_counter()
