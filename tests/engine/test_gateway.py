@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 from pathlib import Path
 
 import httpx
@@ -200,6 +201,8 @@ def test_user_field_names_the_session_and_stream_sends_tool_calls(stack, client,
     finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
     usage = [ch.usage for ch in chunks if ch.usage]
     assert finish == ["tool_calls"] and calls and calls[0].function.name
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert "tool_call" not in content and '"name"' not in content  # the call is never streamed as content
     seg = record(http, "streamed")["segments"][0]
     assert usage[0].completion_tokens == sum(seg["loss_mask"])
     raw = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
@@ -306,6 +309,221 @@ def test_stop_string_cuts_the_turn_and_the_session_continues_token_exactly(stack
     assert mask[len(p) : len(p) + len(sampled) + 1] == [1] * len(sampled) + [0]
 
 
+# ---- top_logprobs, tool_choice, live streaming -----------------------------------------------------------
+
+
+def test_top_logprobs_are_the_sampled_distribution(stack, client):
+    engine, chat = stack
+    k = 5
+    resp = client.chat.completions.create(
+        model="m",
+        messages=task_messages(),
+        tools=TOOLS,
+        max_tokens=12,
+        temperature=1.0,
+        seed=4,
+        logprobs=True,
+        top_logprobs=k,
+        extra_body={"return_token_ids": True},
+    )
+    choice = resp.choices[0]
+    prompt, sampled = resp.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+    entries = choice.logprobs.content
+    assert len(entries) >= 10
+    from transformers import AutoModelForCausalLM  # an independent forward of the same tokens
+
+    model = AutoModelForCausalLM.from_pretrained(str(MODEL), local_files_only=True).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + sampled])).logits[0, len(prompt) - 1 :]
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    for j, e in enumerate(entries):
+        top = e.top_logprobs
+        values = [t.logprob for t in top]
+        assert len(top) == k and values == sorted(values, reverse=True)
+        same = [t.logprob for t in top if t.token == e.token and t.bytes == e.bytes]
+        if same:  # the sampled token is listed: bitwise its own logprob
+            assert e.logprob in same
+        want, ids = logp[j].topk(k)
+        assert values == pytest.approx(want.tolist(), abs=1e-4)
+        assert e.logprob == pytest.approx(float(logp[j, sampled[j]]), abs=1e-4)
+        if float(want[0] - want[1]) > 1e-3:
+            assert top[0].token == chat.tokenizer.decode([int(ids[0])])
+    greedy = client.chat.completions.create(
+        model="m", messages=USER, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2
+    )
+    for e in greedy.choices[0].logprobs.content:  # greedy samples a point mass
+        assert e.logprob == 0.0 and [t.logprob for t in e.top_logprobs] == [0.0, -9999.0]
+        assert e.top_logprobs[0].token == e.token
+
+
+def _forced(chat, name: str | None) -> list[int]:
+    opening = [chat.tokenizer.convert_tokens_to_ids("<tool_call>")]
+    return opening if name is None else opening + chat.encode_text(f'{{"name": "{name}", "arguments":')
+
+
+def test_tool_choice_forces_the_call_and_the_record_stays_token_exact(stack, client, http):
+    engine, chat = stack
+    eot = chat.stop_token_ids[0]
+    hdr = {"X-Tandem-Session": "forced"}
+    messages = task_messages(3)
+    sent: list[dict] = []
+    prompts, outs = [], []
+    named = {"type": "function", "function": {"name": "submit"}}  # not what the model picks by itself
+    for t, choice in enumerate([named, "required", "auto"]):
+        resp = client.chat.completions.create(
+            model="m",
+            messages=messages,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=120,
+            seed=20 + t,
+            logprobs=True,
+            extra_headers=hdr,
+            extra_body={"return_token_ids": True},
+        )
+        assert resp.model_extra["tandem"]["new_segment"] is (t == 0)
+        c = resp.choices[0]
+        prompt, sampled = resp.model_extra["prompt_token_ids"], c.model_extra["token_ids"]
+        forced = _forced(chat, "submit" if t == 0 else None) if t < 2 else []
+        if t == 0:
+            assert prompt == chat.render_prompt(task_messages(3), TOOLS) + forced
+            assert [x.function.name for x in c.message.tool_calls] == ["submit"]
+        else:  # the record's ids so far (forced ones included), then only the new messages, then forced
+            closing = [] if outs[-1][-1] == eot else [eot]
+            assert prompt == prompts[-1] + outs[-1] + closing + chat.render_continuation(sent) + forced
+        if t < 2:
+            assert c.finish_reason == "tool_calls" and c.message.tool_calls
+        assert prompt[len(prompt) - len(forced) :] == forced
+        assert resp.usage.prompt_tokens == len(prompt) and resp.usage.completion_tokens == len(sampled)
+        assert len(c.logprobs.content) == len(sampled) - int(sampled[-1] == eot)  # forced ids: no logprobs
+        prompts.append(prompt)
+        outs.append(sampled)
+        messages.append(c.message.model_dump(exclude_none=True))
+        sent = [{"role": "tool", "tool_call_id": x.id, "content": "ok"} for x in c.message.tool_calls or []]
+        sent = sent or [{"role": "user", "content": "Go on."}]
+        messages.extend(sent)
+    rec = record(http, "forced")
+    assert rec["segment_reasons"] == [] and len(rec["segments"]) == 1
+    seg = rec["segments"][0]
+    assert seg["token_ids"] == prompts[-1] + outs[-1]
+    sampled_at = {i for p, o in zip(prompts, outs, strict=True) for i in range(len(p), len(p) + len(o))}
+    assert [i for i, m in enumerate(seg["loss_mask"]) if m] == sorted(sampled_at)
+    for p, name in ((prompts[0], "submit"), (prompts[1], None)):  # forced ids are context, not sampled
+        n = len(_forced(chat, name))
+        assert seg["token_ids"][len(p) - n : len(p)] == _forced(chat, name)
+        assert seg["loss_mask"][len(p) - n : len(p)] == [0] * n
+        assert all(x is None for x in seg["sampler_logprobs"][len(p) - n : len(p)])
+    params = SamplingParams(120, 1.0, 1.0, list(chat.stop_token_ids), 20)  # replay: the same turn
+    assert engine.submit(GenerationRequest(prompts[0], params)).result().token_ids == outs[0]
+
+
+def test_forced_choice_picked_from_n_is_recorded_with_its_forced_ids(stack, http):
+    _, chat = stack
+    eot, forced = chat.stop_token_ids[0], _forced(chat, None)
+    msgs = task_messages(5)
+    body = {"messages": msgs, "tools": TOOLS, "tool_choice": "required", "n": 2, "temperature": 1.3}
+    body |= {"max_tokens": 100, "return_token_ids": True}
+    for seed in (4, 1, 3, 0):  # until the two choices differ, so the history picks the second one
+        hdr = {"X-Tandem-Session": f"forced-n2-{seed}"}
+        first = http.post("/v1/chat/completions", json={**body, "seed": seed}, headers=hdr).json()
+        a, b = first["choices"]
+        if b["message"].get("tool_calls") and b["message"] != a["message"]:
+            break
+    else:
+        pytest.fail("no seed gave two different choices")
+    tool = [{"role": "tool", "tool_call_id": c["id"], "content": "ok"} for c in b["message"]["tool_calls"]]
+    second = http.post(
+        "/v1/chat/completions",
+        json={**body, "messages": [*msgs, b["message"], *tool], "n": 1, "tool_choice": "auto", "seed": 1},
+        headers=hdr,
+    ).json()
+    assert second["tandem"]["new_segment"] is False
+    p = first["prompt_token_ids"]
+    closing = [] if b["token_ids"][-1] == eot else [eot]
+    assert p[-len(forced) :] == forced
+    assert second["prompt_token_ids"] == p + b["token_ids"] + closing + chat.render_continuation(tool)
+    seg = record(http, hdr["X-Tandem-Session"])["segments"][0]
+    n, m = len(forced), len(b["token_ids"])
+    assert seg["token_ids"][: len(p) + m] == p + b["token_ids"]
+    assert seg["loss_mask"][len(p) - n : len(p) + m] == [0] * n + [1] * m
+
+
+def test_stream_sends_content_while_generating(stack, client):
+    engine, _ = stack
+    body = dict(
+        model="m",
+        messages=task_messages(4),
+        tools=TOOLS,
+        tool_choice="none",  # raw text: everything the model writes is content
+        max_tokens=200,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    whole = client.chat.completions.create(**body).choices[0].message.content
+    before = engine.stats()["tokens_generated"]
+    at_first = None
+    deltas: list[str] = []
+    order: list[str] = []
+    for ch in client.chat.completions.create(**body, stream=True, stream_options={"include_usage": True}):
+        if ch.usage:
+            order.append("usage")
+            assert ch.usage.completion_tokens == 200
+        for c in ch.choices:
+            if c.delta.content:
+                deltas.append(c.delta.content)
+                order.append("content")
+                if at_first is None:
+                    at_first = engine.stats()["tokens_generated"] - before
+            if c.finish_reason:
+                order.append("finish")
+    # the first content arrived while the engine had sampled only part of the turn's 200 tokens
+    assert at_first is not None and at_first < 200
+    assert order.count("content") > 1 and order.index("finish") > order.index("content")
+    assert order[-2:] == ["finish", "usage"]
+    assert "".join(deltas) == whole and len(whole) > 100
+
+
+def test_stream_failures_and_disconnects_release_the_session(stack, http):
+    srv = _server(stack, request_timeout_s=0.05)
+    try:
+        slow = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        body = dict(model="m", messages=USER, max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError, match="request_timeout_s"):  # an error event after the head
+            list(slow.chat.completions.create(**body, user="slow"))
+        assert httpx.get(srv.url + "/v1/tandem/sessions/slow").status_code == 404  # nothing committed
+    finally:
+        srv.stop()
+    raw = {"messages": USER, "max_tokens": 100, "stream": True, "ignore_eos": True, "tool_choice": "none"}
+    with http.stream("POST", "/v1/chat/completions", json=raw, headers={"X-Tandem-Session": "gone"}) as r:
+        next(r.iter_lines())  # the client reads one chunk and hangs up mid-generation
+    while http.get("/health").json()["in_flight"]:  # the producer finishes the turn on its own
+        time.sleep(0.05)
+    again = http.post(
+        "/v1/chat/completions", json={**raw, "stream": False}, headers={"X-Tandem-Session": "gone"}
+    )
+    assert again.status_code == 200 and "truncated" in again.json()["tandem"]["new_segment_reason"]
+
+
+def test_content_stream_holds_back_split_characters(stack):
+    from tandem.engine.gateway.protocol import parse_chat_request
+    from tandem.engine.gateway.stream import ContentStream
+
+    _, chat = stack
+    text = "héllo wörld — ünïcode ✓ 日本語 🙂 done"
+    ids = chat.encode_text(text) + [chat.stop_token_ids[0]]
+    for choice in ("auto", "none"):
+        req = parse_chat_request(
+            {"messages": USER, "tools": TOOLS, "tool_choice": choice}, max_n=1, max_tokens_limit=CTX
+        )
+        stream = ContentStream([], req, chat, lambda x: chat.tokenizer.decode(x, skip_special_tokens=False))
+        deltas = [stream.push([t]) for t in ids]
+        assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+        assert sum(1 for d in deltas if d) > 5
+    req = parse_chat_request({"messages": USER, "stop": "✓ 日"}, max_n=1, max_tokens_limit=CTX)
+    stream = ContentStream([], req, chat, lambda x: chat.tokenizer.decode(x, skip_special_tokens=False))
+    assert "".join(stream.push([t]) for t in ids) == "héllo wörld — ünïcode "
+
+
 def test_without_session_nothing_is_recorded(http):
     before = http.get("/health").json()["sessions"]
     r = http.post(
@@ -371,7 +589,9 @@ BAD = [
     ({"messages": USER, "temperature": -0.5}, "temperature"),
     ({"messages": USER, "top_p": 0}, "top_p"),
     ({"messages": USER, "stream": "yes"}, "stream"),
-    ({"messages": USER, "top_logprobs": 5, "logprobs": True}, "top_logprobs"),
+    ({"messages": USER, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"messages": USER, "top_logprobs": -1, "logprobs": True}, "top_logprobs"),
+    ({"messages": USER, "top_logprobs": 3}, "top_logprobs"),  # needs logprobs=true
     ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
 ]
 

@@ -69,6 +69,26 @@ def test_samples_carry_the_models_logprobs_and_seeds_reproduce(engine, hf):
     assert len({tuple(c.token_ids) for c in first}) == 4  # different seeds, different samples
 
 
+def test_top_logprobs_are_the_sampled_distribution(engine, hf):
+    c = engine.generate([sampled(5, n=8, top_logprobs=4)])[0]
+    assert c.top_token_ids is not None and len(c.top_token_ids) == len(c.top_logprobs) == 8
+    with torch.no_grad():
+        lp = hf(torch.tensor([PROMPT + c.token_ids])).logits[0].float().log_softmax(-1)
+    for i, (tok, ids, lps) in enumerate(zip(c.token_ids, c.top_token_ids, c.top_logprobs, strict=True)):
+        assert len(ids) == 4 and lps == sorted(lps, reverse=True)
+        want = lp[len(PROMPT) - 1 + i]
+        np.testing.assert_allclose(lps, want[ids].numpy(), atol=1e-4)
+        assert set(ids) == set(want.topk(4).indices.tolist())
+        if tok in ids:
+            assert lps[ids.index(tok)] == c.logprobs[i]
+    greedy_req = GenerationRequest(PROMPT, SamplingParams(max_new_tokens=3, temperature=0.0, top_logprobs=2))
+    greedy = engine.generate([greedy_req])[0]
+    assert all(lps == [0.0, float("-inf")] for lps in greedy.top_logprobs)
+    assert [ids[0] for ids in greedy.top_token_ids] == greedy.token_ids
+    bad = engine.generate([sampled(1, n=3, top_logprobs=21)])[0]
+    assert bad.finish_reason == "error" and "top_logprobs=21" in bad.error
+
+
 def test_temperature_is_in_the_logprobs_and_greedy_stops_on_a_stop_token(engine, hf):
     req = GenerationRequest(PROMPT, SamplingParams(max_new_tokens=12, temperature=2.0, seed=7))
     c = engine.generate([req])[0]
@@ -205,6 +225,17 @@ def test_gateway_over_the_vllm_engine_is_token_exact(engine):
         np.testing.assert_allclose(seg["sampler_logprobs"][len(prompt) :], lps, atol=1e-6)
         bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages, "top_p": 0.5})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_p"
+        # Streaming through the vLLM engine's token hook: the deltas add up to the non-stream text.
+        greedy = dict(
+            model="m", messages=messages, tools=TOOLS, tool_choice="none", max_tokens=30, temperature=0.0
+        )
+        whole = client.chat.completions.create(**greedy).choices[0].message.content or ""
+        deltas = [
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(**greedy, stream=True)
+            if c.choices
+        ]
+        assert "".join(deltas) == whole and len([d for d in deltas if d]) > 1
         assert httpx.get(server.url + "/health").status_code == 200
     finally:
         server.stop()

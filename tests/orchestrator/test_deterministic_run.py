@@ -1,5 +1,6 @@
-"""End to end: `tandem train --preset smoke` with train.deterministic through Ray, real sandboxes, the shipped
-model and the default (bf16 delta) weight path: the trainer's logprobs equal the engine's bit for bit."""
+"""End to end: `tandem train --preset smoke` with train.deterministic through Ray, real sandboxes and the
+default (bf16 delta) weight path, on the shipped dense model and on a tiny Qwen3-MoE: the trainer's
+logprobs equal the engine's bit for bit (and, on the MoE, its routes: routing agreement exactly 1)."""
 
 import json
 import subprocess
@@ -12,9 +13,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_deterministic_run_has_zero_mismatch(tmp_path):
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_deterministic_run_has_zero_mismatch(tmp_path, model):
     run_dir = tmp_path / "run"
-    sets = [
+    sets = [] if model == "dense" else [f"model.path={_moe_dir(tmp_path)}"]
+    sets += [
         "train.deterministic=true", "orchestrator.steps=1", "eval.before_after=false",
         # every trajectory is forwarded (zero-advantage ones too), so the mismatch covers every sampled token
         "train.is_correction=icepop",
@@ -26,3 +29,13 @@ def test_deterministic_run_has_zero_mismatch(tmp_path):
     row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert row["step"] == 1 and row["train/mismatch_tokens"] > 0
     assert row["train/mismatch_kl_k3"] == 0.0 and row["train/mismatch_abs_dlogp_max"] == 0.0
+    if model == "moe":
+        assert row["train/routes_recorded_frac"] > 0 and row["train/routing_agreement"] == 1.0
+
+
+def _moe_dir(tmp_path: Path) -> str:
+    from tandem.model.moe import write_model_dir
+
+    return str(
+        write_model_dir(tmp_path / "moe", "moe", tokenizer_dir=REPO / "models" / "tandem-base", seed=0)
+    )

@@ -166,3 +166,45 @@ def test_a_dead_spare_launcher_falls_back_to_a_fresh_start(cfg: SandboxConfig) -
         r = s.exec(["cat", "a"])
         assert (r.exit_code, r.stdout, r.limits) == (0, "1", ())
         assert s.exec(["cat", "a"], last=True).stdout == "1" and s._spare is None
+
+
+def test_the_next_spare_starts_later_but_not_for_a_closed_or_last_sandbox(cfg: SandboxConfig) -> None:
+    import time
+
+    from tandem.sandbox.base import SPARE_DELAY_S
+
+    def spare_within(s, seconds: float):
+        end = time.monotonic() + seconds
+        while s._spare is None and time.monotonic() < end:
+            time.sleep(0.01)
+        return s._spare
+
+    with create_sandbox({"a": "1"}, cfg) as s:
+        first = s._spare
+        assert first is not None
+        assert s.exec(["cat", "a"]).stdout == "1"
+        assert first.proc.returncode is not None  # the command ran in the launcher made at creation
+        assert s._spare is None  # the next one is not started on the caller's thread...
+        nxt = spare_within(s, 5.0)  # ...but shortly after, in the background
+        assert nxt is not None and nxt.proc.poll() is None
+        assert s.exec(["cat", "a"]).stdout == "1" and nxt.proc.returncode is not None
+        assert s.exec(["cat", "a"], last=True).stdout == "1"  # the spare the previous exec scheduled is stale
+        time.sleep(SPARE_DELAY_S + 0.3)
+        assert s._spare is None
+    s = create_sandbox({"a": "1"}, cfg)
+    s.exec(["true"])
+    s.close(wait=False)
+    time.sleep(SPARE_DELAY_S + 0.3)
+    assert s._spare is None
+    drain_reaper()
+
+
+def test_etc_holds_only_the_listed_files_read_only(cfg: SandboxConfig) -> None:
+    from tandem.sandbox.bwrap import ETC_FILES
+
+    present = sorted(n for n in ETC_FILES if os.path.exists(f"/etc/{n}"))
+    with create_sandbox({"a": "1"}, cfg) as s:
+        r = s.exec(["sh", "-c", "ls -A /etc; cat /etc/passwd; touch /etc/passwd /etc/new"])
+        listed = r.stdout.split("\n")[: len(present)]
+        assert listed == present, r.stdout
+        assert Path("/etc/passwd").read_text() in r.stdout and r.exit_code != 0

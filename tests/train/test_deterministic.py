@@ -18,7 +18,6 @@ from tandem.core.records import Group, Reward, SegmentBuilder, Trajectory
 from tandem.engine import create_engine
 from tandem.engine.builtin import BuiltinEngine
 from tandem.model import deterministic as det
-from tandem.model.moe import write_model_dir
 from tandem.train.batching import SequenceInput, pack
 from tandem.train.deterministic import DeterministicLogprobs
 from tandem.train.trainer import Trainer, load_causal_lm
@@ -317,12 +316,11 @@ def test_config_refuses_what_cannot_be_deterministic():
     RunConfig(engine={"kind": "vllm"}, train={"deterministic": False})
 
 
-def test_moe_models_and_other_dtypes_are_refused_with_the_reason(tmp_path):
-    moe = str(write_model_dir(tmp_path / "moe", "moe", tokenizer_dir=MODEL, seed=0))
-    with pytest.raises(ValueError, match=r"mixture-of-experts model\.path"):
-        RunConfig(model={"path": moe}, train={"deterministic": True})
-    with pytest.raises(ValueError, match="train.deterministic cannot run this model"):
-        DeterministicLogprobs(load_causal_lm(moe))
+def test_unsupported_models_and_other_dtypes_are_refused_with_the_reason(tmp_path):
+    gelu = load_causal_lm(MODEL)
+    gelu.config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="train.deterministic cannot run this model: hidden_act 'gelu'"):
+        DeterministicLogprobs(gelu)
     with pytest.raises(EngineError, match="float32"):
         _engine_bf16()
     with pytest.raises(ValueError, match="engine.kind='builtin'"):

@@ -1,4 +1,4 @@
-"""The `tandem` command: train, midtrain, eval, sandbox, bench.
+"""The `tandem` command: train, midtrain, eval, sandbox, bench, report.
 
 Invariant: every user error (bad config, missing model, bad flag value) exits with status 2 and one message
 naming the field or value and what to do; no traceback for errors tandem raises on purpose.
@@ -388,6 +388,7 @@ def bench_mismatch(
 def _mount_subcommands() -> None:
     from tandem.cli import env as env_cli
     from tandem.cli import midtrain as midtrain_cli
+    from tandem.cli import report as report_cli
     from tandem.cli import sandbox as sandbox_cli
     from tandem.cli import serve as serve_cli
     from tandem.cli import weights as weights_cli
@@ -400,6 +401,7 @@ def _mount_subcommands() -> None:
     weights_cli.weights_app.command("relay")(weights_serve.relay)
     app.add_typer(weights_cli.weights_app, name="weights")
     app.command("midtrain")(midtrain_cli.midtrain_command)
+    app.add_typer(report_cli.app, name="report")
 
 
 _mount_subcommands()

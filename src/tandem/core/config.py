@@ -396,7 +396,10 @@ class TrainConfig(Section):
     shares their batch, so the sampler's and the trainer's logprobs of a token are equal when both hold the
     same weights (``train/mismatch_kl_k3 == 0``). Needs engine.kind='builtin', model.dtype='float32' and
     engine.threads == train.threads (the thread count changes how a CPU matmul rounds); slower (row-padded
-    matmuls in fixed K slices, whole key blocks in attention: about 1.4x, see `tandem bench mismatch`)."""
+    matmuls in fixed K slices, whole key blocks in attention: about 1.4x, see `tandem bench mismatch`).
+    Mixture-of-experts (Qwen3-MoE) models too: routing and experts run batch-invariantly in both, so the
+    sampler's and the trainer's routes agree exactly (R3/R2 may be combined with it; they then change
+    nothing)."""
     checkpoint_every: int = 10
     """Save a resumable checkpoint every N steps (and at the end)."""
     seed: int = 0
@@ -560,12 +563,6 @@ class RunConfig(Section):
                 raise ValueError(
                     f"train.deterministic=true with engine.threads={self.engine.threads} != train.threads="
                     f"{t.threads}: a CPU matmul rounds differently with another thread count; set them equal"
-                )
-            if model_is_moe(self.model.path):
-                raise ValueError(
-                    f"train.deterministic=true with the mixture-of-experts model.path={self.model.path!r}: "
-                    "the batch-invariant forward covers dense Qwen3/Qwen2/Llama models only; use "
-                    "train.deterministic=false"
                 )
         return self
 

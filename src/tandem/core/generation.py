@@ -21,6 +21,9 @@ class SamplingParams:
     top_p: float = 1.0
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    top_logprobs: int = 0
+    """Alternatives to report per sampled token (0: none, nothing computed). Engines without them
+    (``max_top_logprobs`` 0 or absent) ignore it."""
 
 
 @dataclass
@@ -47,6 +50,12 @@ class Completion:
     routed_experts: Any = None
     """MoE models on an engine that reports routing: int array [prompt + sampled tokens, moe_layers, top_k]
     of the experts each token was routed to (for router replay in training); None otherwise."""
+    top_token_ids: list[list[int]] | None = None
+    """With ``SamplingParams.top_logprobs = k > 0`` on an engine that reports them: per sampled token, the
+    ``k`` most likely token ids, most likely first; None otherwise."""
+    top_logprobs: list[list[float]] | None = None
+    """Their logprobs under the same distribution as ``logprobs`` (parallel to ``top_token_ids``), so the
+    sampled token's entry, when it is among them, equals its ``logprobs`` value."""
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -7,6 +7,11 @@ Invariants:
 - ``Completion.versions[i]`` is the engine version when token ``i`` was sampled: a session started on ``v``
   continues on ``v+1`` after an update, and its tokens say which version made them.
 - ``logprobs`` follow ``tandem.engine.sampling`` (distribution actually sampled from; 0.0 for greedy).
+- ``SamplingParams.top_logprobs = k`` (0..``max_top_logprobs`` = 20): ``Completion.top_token_ids`` /
+  ``top_logprobs`` list, per sampled token, the k alternatives ``sampling.sample_top`` reports from the very
+  logits and distribution that token was sampled from. A step computes them only when a session in it
+  asked (for the largest k asked; each session keeps its own k); otherwise they are None and cost nothing.
+- ``submit(..., on_tokens=f)`` (``tandem.engine.front``): ``f`` gets each sampled id right after its step.
 - Each session samples from its own ``torch.Generator``: the request's seed if given, else one derived from
   the engine seed and the request's submission number, so runs are reproducible.
 - A bad request (empty or out-of-vocabulary prompt, prompt longer than the cache, bad parameters) gets
@@ -25,7 +30,8 @@ Invariants:
   ``update_weights`` drops every parked slot, so a new request never reuses KV of older weights (sessions
   already running keep theirs, as before). Stats: ``prefill_tokens`` counts tokens actually computed,
   ``prefix_hit_tokens`` tokens reused, ``parked`` slots currently parked.
-- MoE models (top-k routers, ``tandem.model.moe``; served by ``HFRunner``): ``Completion.routed_experts`` is
+- MoE models (top-k routers, ``tandem.model.moe``; served by ``HFRunner``, or in deterministic mode by
+  ``FastRunner``'s batch-invariant MoE forward): ``Completion.routed_experts`` is
   the ``[prompt + sampled tokens, moe_layers, top_k]`` expert ids (uint8, int16 above 256 experts) the
   engine's forwards chose, in router top-k order. Parked KV keeps its routes with its slot, so a reused
   prefix reports the routes it was computed with. A finished session's last sampled token is fed once more
@@ -38,6 +44,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,10 +58,10 @@ from tandem.core.config import EngineConfig
 from tandem.core.errors import EngineError, ModelLoadError
 from tandem.core.generation import Completion, GenerationRequest
 from tandem.engine.checks import check_request, convert_patches, convert_tensors
-from tandem.engine.front import Pending, RequestFront, error_completion, resolve
+from tandem.engine.front import Pending, RequestFront, error_completion, notify, resolve
 from tandem.engine.prefix import PrefixCache
 from tandem.engine.runner import FastRunner, HFRunner, Write, apply_writes, fast_supported
-from tandem.engine.sampling import UniformStream, sample
+from tandem.engine.sampling import UniformStream, sample_top
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _PREFILL_TOKEN_BUDGET = 4096  # padded prompt tokens per prefill batch
@@ -71,6 +78,10 @@ class _Session:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     logmass: list[float] = field(default_factory=list)
+    on_tokens: Callable[[list[int]], None] | None = None
+    top_k: int = 0
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_lps: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -89,6 +100,8 @@ class _Update:
 
 class BuiltinEngine(RequestFront):
     """Continuous-batching engine over a HF causal LM (see module docstring)."""
+
+    max_top_logprobs = 20  # alternatives per sampled token it can report (SamplingParams.top_logprobs)
 
     def __init__(
         self,
@@ -115,9 +128,10 @@ class BuiltinEngine(RequestFront):
         self.seed = seed
         self._version = version
         reason = fast_supported(self.model)
-        if deterministic and reason is not None:
+        det_reason = fast_supported(self.model, deterministic=True) if deterministic else None
+        if det_reason is not None:
             raise EngineError(
-                f"deterministic mode needs the built-in fast forward, which refuses this model: {reason}"
+                f"deterministic mode needs the built-in fast forward, which refuses this model: {det_reason}"
             )
         runner_cls = FastRunner if reason is None else HFRunner
         self.fallback_reason = reason
@@ -272,6 +286,9 @@ class BuiltinEngine(RequestFront):
 
     def _check(self, req: GenerationRequest) -> str | int:
         """Error message, or the number of new tokens this request may sample."""
+        k = req.params.top_logprobs
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.max_top_logprobs:
+            return f"top_logprobs={k!r} must be an integer in [0, {self.max_top_logprobs}]"
         return check_request(req, self.vocab_size, self.config.max_seq_len)
 
     def _admit(self, admitted: list[Pending]) -> None:
@@ -284,7 +301,9 @@ class BuiltinEngine(RequestFront):
             sp = item.request.params
             seed = sp.seed if sp.seed is not None else self.seed * 1_000_003 + item.number
             stop = frozenset(sp.stop_token_ids)
-            fresh.append(_Session(item.request, item.future, UniformStream(seed), check, stop))
+            session = _Session(item.request, item.future, UniformStream(seed), check, stop)
+            session.on_tokens, session.top_k = item.on_tokens, sp.top_logprobs
+            fresh.append(session)
         # Claim parked prefixes for all of them first, so each parked slot serves at most one request.
         claims: list[int | None] = []
         starts: list[int] = []
@@ -333,7 +352,10 @@ class BuiltinEngine(RequestFront):
         temps = torch.tensor([s.request.params.temperature for s in sessions], dtype=torch.float32)
         top_p = torch.tensor([s.request.params.top_p for s in sessions], dtype=torch.float32)
         us = torch.tensor([s.rng.next() if s.request.params.temperature > 0 else 1.0 for s in sessions])
-        tokens, lps, logmass = sample(logits, temps, top_p, us)
+        top_k = max(s.top_k for s in sessions)
+        tokens, lps, logmass, top = sample_top(logits, temps, top_p, us, top_k)
+        top_ids = top.token_ids.tolist() if top is not None else []
+        top_lps = top.logprobs.tolist() if top is not None else []
         version = self._version
         finished: list[int] = []
         rows = zip(sessions, tokens.tolist(), lps.tolist(), logmass.tolist(), strict=True)
@@ -342,6 +364,10 @@ class BuiltinEngine(RequestFront):
             s.logprobs.append(lp)
             s.logmass.append(lm)
             s.versions.append(version)
+            if s.top_k:
+                s.top_ids.append(top_ids[k][: s.top_k])
+                s.top_lps.append(top_lps[k][: s.top_k])
+            notify(s, [tok])
             if tok in s.stop or len(s.tokens) >= s.max_new:
                 finished.append(first + k)
         with self._cv:
@@ -350,6 +376,8 @@ class BuiltinEngine(RequestFront):
             s = self._active[slot]
             reason = "stop" if s.tokens[-1] in s.stop else "length"
             completion = Completion(s.tokens, s.logprobs, s.versions, reason, logmass=s.logmass)
+            if s.top_k:
+                completion.top_token_ids, completion.top_logprobs = s.top_ids, s.top_lps
             if self._runner.records_routes:
                 self._runner.feed(slot, s.tokens[-1])
                 completion.routed_experts = self._runner.routes(slot).copy()

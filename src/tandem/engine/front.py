@@ -7,6 +7,11 @@ Invariants:
 - A future is resolved exactly once with a ``Completion`` (``resolve`` ignores futures the caller cancelled);
   errors are ``Completion(finish_reason="error")`` (``error_completion``), never exceptions.
 - ``health`` reads the queue and the active sessions under the same lock the loop uses.
+- Token streaming (``streams_tokens``): ``submit(request, on_tokens=f)`` has the engine call ``f(ids)`` from
+  its loop thread with the ids each step sampled for that request, in order, before its future resolves
+  (the concatenated calls are the completion's ``token_ids``). ``f`` must return at once (the gateway only
+  hands the ids to its event loop with ``call_soon_threadsafe``); an exception it raises is swallowed and
+  stops further calls, never the request. Without ``on_tokens`` nothing is done per token.
 
 An engine using ``RequestFront`` calls ``_init_front`` and provides ``config.max_batch``, ``_updates``
 (list of queued weight updates), ``_version``, ``_iteration(updates, admitted)`` (apply the updates, admit the
@@ -19,6 +24,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +39,7 @@ class Pending:
     request: GenerationRequest
     future: Future
     number: int
+    on_tokens: Callable[[list[int]], None] | None = None
 
 
 def resolve(fut: Future, completion: Completion) -> None:
@@ -41,6 +48,17 @@ def resolve(fut: Future, completion: Completion) -> None:
         fut.set_result(completion)
     except InvalidStateError:  # cancelled by the caller
         pass
+
+
+def notify(pending: Any, ids: list[int]) -> None:
+    """Hand ``ids`` to ``pending.on_tokens`` if set (see module invariants: a failing observer is dropped)."""
+    f = pending.on_tokens
+    if f is None or not ids:
+        return
+    try:
+        f(list(ids))
+    except Exception:  # noqa: BLE001 - the observer's problem, never the request's
+        pending.on_tokens = None
 
 
 def error_completion(msg: str) -> Completion:
@@ -81,6 +99,7 @@ class RequestFront:
         }
 
     _thread_name = "tandem-engine"
+    streams_tokens = True  # ``submit`` takes ``on_tokens`` and the engine calls it (see module invariants)
 
     def start(self) -> None:
         """Start the loop thread (no-op when it runs)."""
@@ -121,14 +140,17 @@ class RequestFront:
     def _fail_active(self, msg: str) -> None:  # pragma: no cover - provided by the engine
         raise NotImplementedError
 
-    def submit(self, request: GenerationRequest) -> Future:
-        """Queue one request; the future resolves to its Completion. Starts the loop if never started."""
+    def submit(
+        self, request: GenerationRequest, on_tokens: Callable[[list[int]], None] | None = None
+    ) -> Future:
+        """Queue one request; the future resolves to its Completion. Starts the loop if never started.
+        ``on_tokens`` observes the sampled ids step by step (see module invariants)."""
         fut: Future = Future()
         with self._cv:
             if self._stopped:
                 resolve(fut, error_completion("engine stopped; call start() to serve again"))
                 return fut
-            self._queue.append(Pending(request, fut, self._submitted))
+            self._queue.append(Pending(request, fut, self._submitted, on_tokens))
             self._submitted += 1
             self._cv.notify_all()
             start = not self._running

@@ -6,7 +6,8 @@ Two runners share one small interface (``prefill``, ``decode``, ``move``, ``rele
 
 - ``FastRunner``: its own forward for Qwen3 / Qwen2 / Llama-style decoders (RMSNorm, optional per-head
   q_norm/k_norm, RoPE from the model's own rotary module, GQA, SwiGLU, tied or untied lm_head) over a
-  preallocated cache ``[layers, slots, kv_heads, max_seq_len, head_dim]``.
+  preallocated cache ``[layers, slots, kv_heads, max_seq_len, head_dim]`` (in deterministic mode the block
+  layout of ``det.block_cache_shape``, read in place by ``det.attention_blocks``).
 - ``HFRunner``: fallback for any other causal LM; the HF forward per session with its own cache.
 
 ``FastRunner(..., deterministic=True)`` (``train.deterministic``) runs prefill and decode (a decode step is a
@@ -26,9 +27,10 @@ Invariants:
   attending to them; it returns the logits of each prompt's last token and sets ``lens = start + len``.
   ``decode`` appends one token to each of slots ``0..n-1`` and returns the logits after it.
 - Slots at or beyond the active count may hold parked KV; ``move`` carries a slot's ``lens[src]`` positions.
-- Routing (MoE models, ``HFRunner`` only; ``records_routes``): each slot keeps the top-k expert ids of every
-  position it holds, ``routes(slot)`` = ``[lens[slot], moe_layers, top_k]``; prefix reuse keeps the first
-  ``start`` rows with the KV (parked slots carry their routes), ``move``/``release`` carry/drop them.
+- Routing (MoE models: ``HFRunner``, and ``FastRunner`` in deterministic mode, the only mode it serves MoE
+  models in; ``records_routes``): each slot keeps the top-k expert ids of every position it holds,
+  ``routes(slot)`` = ``[lens[slot], moe_layers, top_k]``; prefix reuse keeps the first ``start`` rows
+  with the KV (parked slots carry their routes), ``move``/``release`` carry/drop them.
   ``feed(slot, token)`` appends one token without returning logits (the engine feeds a finished session's
   last sampled token so its routes exist too).
 """
@@ -46,13 +48,17 @@ from tandem.model import deterministic as det
 from tandem.model.moe import RouterHooks, moe_shape, routes_dtype
 
 _FAST_TYPES = {"qwen3", "qwen2", "llama"}
+_DET_MOE_TYPES = {"qwen3_moe"}
+"""Mixture-of-experts model types ``FastRunner`` serves in deterministic mode (``det.moe_block``)."""
 
 
-def fast_supported(model: PreTrainedModel) -> str | None:
-    """None if ``FastRunner`` can serve this model, else the reason it cannot."""
+def fast_supported(model: PreTrainedModel, deterministic: bool = False) -> str | None:
+    """None if ``FastRunner`` (in deterministic mode when ``deterministic``) can serve this model, else the
+    reason it cannot."""
     cfg = model.config
-    if cfg.model_type not in _FAST_TYPES:
-        return f"model_type {cfg.model_type!r} is not one of {sorted(_FAST_TYPES)}"
+    types = _FAST_TYPES | _DET_MOE_TYPES if deterministic else _FAST_TYPES
+    if cfg.model_type not in types:
+        return f"model_type {cfg.model_type!r} is not one of {sorted(types)}"
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"hidden_act {cfg.hidden_act!r} is not silu"
     if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
@@ -105,12 +111,26 @@ class FastRunner:
         self.scaling = float(att0.scaling)
         self.q_out = self.n_heads * self.head_dim
         self.kv_out = self.n_kv * self.head_dim
-        self.inter = self.layers[0].mlp.gate_proj.weight.shape[0]
+        self.moe_layers = [i for i, layer in enumerate(self.layers) if det.is_moe_layer(layer)]
+        if self.moe_layers and not deterministic:
+            raise ValueError("FastRunner serves mixture-of-experts models in deterministic mode only")
+        dense = [layer for layer in self.layers if not det.is_moe_layer(layer)]
+        self.inter = dense[0].mlp.gate_proj.weight.shape[0] if dense else 0
+        shape = moe_shape(model) if self.moe_layers else None
+        self.records_routes = shape is not None
+        self._route_shape = shape
+        self._routes_dtype = routes_dtype(shape.num_experts) if shape is not None else np.dtype(np.uint8)
+        self._routes: list[list[np.ndarray]] = [[] for _ in range(max_slots)]
         dtype = self.embed.dtype
         n_layers = len(self.layers)
-        shape = (n_layers, max_slots, self.n_kv, max_seq_len, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype)
-        self.v_cache = torch.zeros(shape, dtype=dtype)
+        if deterministic:  # block layout (det.attention_blocks reads it in place): keys per block transposed
+            kshape, vshape = det.block_cache_shape(max_slots, self.n_kv, max_seq_len, self.head_dim)
+            self.k_cache = torch.zeros((n_layers, *kshape), dtype=dtype)
+            self.v_cache = torch.zeros((n_layers, *vshape), dtype=dtype)
+        else:
+            shape = (n_layers, max_slots, self.n_kv, max_seq_len, self.head_dim)
+            self.k_cache = torch.zeros(shape, dtype=dtype)
+            self.v_cache = torch.zeros(shape, dtype=dtype)
         self.lens = [0] * max_slots
         with torch.inference_mode():
             pos = torch.arange(max_seq_len).unsqueeze(0)
@@ -140,8 +160,15 @@ class FastRunner:
         with torch.inference_mode():
             self.wt: list[tuple[torch.Tensor, ...]] = []
             self.bs: list[tuple[torch.Tensor | None, ...]] = []
-            for layer in self.layers:
+            self.moe_w: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+            for i, layer in enumerate(self.layers):
                 a, m = layer.self_attn, layer.mlp
+                if det.is_moe_layer(layer):  # attention as below; router and experts in moe_w
+                    att = (a.q_proj, a.k_proj, a.v_proj)
+                    self.wt.append((t(*(x.weight for x in att)), t(a.o_proj.weight), None, None))  # type: ignore[arg-type]
+                    self.bs.append((bias(*att), bias(a.o_proj), None, None))
+                    self.moe_w[i] = det.moe_weights(layer)
+                    continue
                 qkv, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
                 self.wt.append(
                     (
@@ -171,10 +198,16 @@ class FastRunner:
                     out.setdefault(id(m.bias), []).append((bs, off))
                 off += m.weight.shape[0]
 
-        for layer, wt, bs in zip(self.layers, self.wt, self.bs, strict=True):
+        for i, (layer, wt, bs) in enumerate(zip(self.layers, self.wt, self.bs, strict=True)):
             a, m = layer.self_attn, layer.mlp
             place((a.q_proj, a.k_proj, a.v_proj), wt[0], bs[0])
             place((a.o_proj,), wt[1], bs[1])
+            if i in self.moe_w:  # router [E, H] -> [H, E]; experts [E, O, I] -> [E, I, O] (see plan_patch)
+                router_t, gu_t, down_t = self.moe_w[i]
+                out.setdefault(id(m.gate.weight), []).append((router_t, 0))
+                out.setdefault(id(m.experts.gate_up_proj), []).append((gu_t, 0))
+                out.setdefault(id(m.experts.down_proj), []).append((down_t, 0))
+                continue
             place((m.gate_proj, m.up_proj), wt[2], bs[2])
             place((m.down_proj,), wt[3], bs[3])
         out.setdefault(id(self.lm_head), []).append((self.head_t, 0))
@@ -188,6 +221,11 @@ class FastRunner:
         for buf, off in self._derived.get(id(param), ()):
             if param.dim() == 1:
                 writes.append(Write(buf.view(-1), off + flat_index, values))
+            elif param.dim() == 3:  # stacked experts: W[e, o, i] == buf[e, i, o]
+                _, out_dim, in_dim = param.shape
+                e, rest = flat_index // (out_dim * in_dim), flat_index % (out_dim * in_dim)
+                rows, cols = rest // in_dim, rest % in_dim
+                writes.append(Write(buf.view(-1), (e * in_dim + cols) * out_dim + rows, values))
             else:
                 in_dim = param.shape[1]
                 rows, cols = flat_index // in_dim, flat_index % in_dim
@@ -341,42 +379,85 @@ class FastRunner:
         """Deterministic mode (``tandem.model.deterministic``): batch-invariant prefill of each prompt after
         the ``starts[j]`` positions cached in slot ``first_slot + j``; decode steps come here too."""
         ids, pos, ends, jj, ii, slots, wpos = self._after_layout(first_slot, prompts, starts)
-        b, t_kv = ids.shape[0], max(ends)
+        b = ids.shape[0]
         cos, sin = self.cos[pos].unsqueeze(2), self.sin[pos].unsqueeze(2)  # [b, t, 1, D]
         s0, s1 = first_slot, first_slot + b
         heads = (self.n_heads, self.n_kv, self.head_dim)
         x = F.embedding(ids, self.embed)
+        routes = []
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             norms = (a.q_norm.weight, a.k_norm.weight) if hasattr(a, "q_norm") else None
             h = det.rms_norm(x, layer.input_layernorm.weight, self.eps)
             q, k, v = det.qkv(h, self.wt[i][0], self.bs[i][0], heads, norms, self.eps, cos, sin)
-            kc, vc = self.k_cache[i], self.v_cache[i]
-            kc[slots, :, wpos] = k[jj, ii]
-            vc[slots, :, wpos] = v[jj, ii]
-            o = det.attention(q, kc[s0:s1, :, :t_kv], vc[s0:s1, :, :t_kv], pos, self.scaling)
-            x = det.mlp_out(
-                x, o.flatten(2), self.wt[i], self.bs[i], layer.post_attention_layernorm.weight, self.eps
-            )
+            kt, vb = self.k_cache[i], self.v_cache[i]
+            det.write_blocks(kt, vb, slots, wpos, k[jj, ii], v[jj, ii])
+            o = det.attention_blocks(q, kt[s0:s1], vb[s0:s1], pos, self.scaling)
+            post = layer.post_attention_layernorm.weight
+            if i in self.moe_w:
+                x, idx = det.moe_out(
+                    x,
+                    o.flatten(2),
+                    self.wt[i],
+                    self.bs[i],
+                    post,
+                    self.eps,
+                    self.moe_w[i],
+                    layer.mlp.gate,
+                    (jj, ii),
+                    len(routes),
+                )
+                routes.append(idx)
+            else:
+                x = det.mlp_out(x, o.flatten(2), self.wt[i], self.bs[i], post, self.eps)
+        if routes:  # [real tokens, moe layers, k]; prompt j's rows are a contiguous block, in order
+            rows = torch.stack(routes, dim=1).numpy().astype(self._routes_dtype)
+            at = 0
+            for j, (p, st) in enumerate(zip(prompts, starts, strict=True)):
+                if sum(len(c) for c in self._routes[s0 + j]) > st:  # prefix reuse: keep the first st rows
+                    self._routes[s0 + j] = [self.routes(s0 + j)[:st]] if st > 0 else []
+                self._routes[s0 + j].append(rows[at : at + len(p)])
+                at += len(p)
         for j, e in enumerate(ends):
             self.lens[s0 + j] = e
         last = torch.tensor([len(p) - 1 for p in prompts])
         return det.logits(x[torch.arange(b), last], self.norm_w, self.head_t, self.eps)
 
     def move(self, src: int, dst: int) -> None:
-        """Copy slot ``src``'s cache into slot ``dst`` (compaction)."""
+        """Copy slot ``src``'s cache (and routes) into slot ``dst`` (compaction)."""
         t = self.lens[src]
-        self.k_cache[:, dst, :, :t] = self.k_cache[:, src, :, :t]
-        self.v_cache[:, dst, :, :t] = self.v_cache[:, src, :, :t]
+        if self.deterministic:  # block layout: the blocks holding positions 0..t-1
+            nb = -(-t // det.KEY_BLOCK)
+            self.k_cache[:, dst, :, :nb] = self.k_cache[:, src, :, :nb]
+            self.v_cache[:, dst, :, :nb] = self.v_cache[:, src, :, :nb]
+        else:
+            self.k_cache[:, dst, :, :t] = self.k_cache[:, src, :, :t]
+            self.v_cache[:, dst, :, :t] = self.v_cache[:, src, :, :t]
         self.lens[dst], self.lens[src] = t, 0
+        self._routes[dst], self._routes[src] = self._routes[src], []
 
     def release(self, slot: int) -> None:
         self.lens[slot] = 0
+        self._routes[slot] = []
 
     def can_park(self, slot: int) -> bool:
         return True
 
-    records_routes = False  # dense models only (fast_supported)
+    def feed(self, slot: int, token: int) -> None:
+        """Append ``token`` to ``slot`` (KV and routes) without sampling after it (MoE: its routes)."""
+        self._det_prefill(slot, [[int(token)]], [self.lens[slot]])
+
+    def routes(self, slot: int) -> np.ndarray:
+        """Expert ids of the positions ``slot`` holds: ``[lens[slot], moe_layers, top_k]`` (MoE models)."""
+        chunks = self._routes[slot]
+        if len(chunks) > 1:
+            self._routes[slot] = chunks = [np.concatenate(chunks)]
+        if not chunks:
+            shape = self._route_shape
+            return np.zeros(
+                (0, shape.layers if shape else 0, shape.top_k if shape else 0), self._routes_dtype
+            )
+        return chunks[0]
 
 
 class HFRunner:

@@ -28,6 +28,11 @@ Invariants:
 - MoE routing capture (``enable_return_routed_experts``) needs vLLM's V2 model runner, which needs Triton,
   which vLLM's CPU build lacks: on CPU, asking for it raises ``EngineError`` at start; on CUDA it is passed
   through and ``Completion.routed_experts`` holds the [tokens, layers, top_k] expert ids.
+- ``submit(..., on_tokens=f)`` (``tandem.engine.front``): ``f`` gets each step's new ids.
+- ``SamplingParams.top_logprobs = k`` (at most ``max_top_logprobs`` = 20) asks vLLM for ``logprobs=k``: the
+  ``k`` most likely tokens of each step by vLLM's rank, with their processed logprobs (the same distribution
+  as ``logprobs``, so the sampled token's entry equals its logprob); greedy requests report a point mass
+  like the built-in engine (the sampled token 0.0 first, the others ``-inf``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import random
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,7 +59,7 @@ from tandem.core.config import EngineConfig
 from tandem.core.errors import EngineError, ModelLoadError
 from tandem.core.generation import Completion, GenerationRequest
 from tandem.engine.checks import check_request, convert_patches, convert_tensors
-from tandem.engine.front import Pending, RequestFront, error_completion, resolve
+from tandem.engine.front import Pending, RequestFront, error_completion, notify, resolve
 
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -166,6 +172,20 @@ class _Session:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    on_tokens: Callable[[list[int]], None] | None = None
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_lps: list[list[float]] = field(default_factory=list)
+
+
+def _top_entries(row: dict[int, Any], sampled: int, k: int, greedy: bool) -> tuple[list[int], list[float]]:
+    """The ``k`` best (token, logprob) of one step's vLLM logprob row by vLLM's rank (greedy: the sampled
+    token at 0.0 first, the others at ``-inf``)."""
+    ranked = sorted((e.rank, t) for t, e in row.items() if e.rank is not None and e.rank <= k)
+    ids = [t for _, t in ranked][:k]
+    if greedy:
+        ids = [sampled, *[t for t in ids if t != sampled]][:k]
+        return ids, [0.0] + [float("-inf")] * (len(ids) - 1)
+    return ids, [float(row[t].logprob) for t in ids]
 
 
 @dataclass
@@ -219,7 +239,7 @@ class VllmEngine(RequestFront):
                 self._host["lm_head.weight"] = self._host["model.embed_tokens.weight"]
                 self._aliases["lm_head.weight"] = "model.embed_tokens.weight"
         self.vocab_size = int(hf_config["vocab_size"])
-        self.max_top_logprobs = 0
+        self.max_top_logprobs = 20
         self.supports_top_p = False  # the gateway answers top_p < 1 with 400 (see the module docstring)
         self._llm = self._start_vllm(p, hf_config, dtype, routed_experts)
         self._updates: list[_Update] = []
@@ -352,7 +372,7 @@ class VllmEngine(RequestFront):
         for u in updates:
             self._apply(u)
         for item in admitted:
-            self._add(item.request, item.future, item.number)
+            self._add(item.request, item.future, item.number, item.on_tokens)
         if self._active:
             self._step()
 
@@ -380,7 +400,13 @@ class VllmEngine(RequestFront):
             u.pause_s = time.perf_counter() - t0
             u.done.set()
 
-    def _add(self, request: GenerationRequest, fut: Future, number: int) -> None:
+    def _add(
+        self,
+        request: GenerationRequest,
+        fut: Future,
+        number: int,
+        on_tokens: Callable[[list[int]], None] | None = None,
+    ) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -391,6 +417,9 @@ class VllmEngine(RequestFront):
                 f"top_p={sp.top_p}: the vLLM engine does not report the probability mass top-p keeps, "
                 "which tandem's importance ratios need; use top_p=1.0 or engine.kind='builtin'"
             )
+        top_k = int(getattr(sp, "top_logprobs", 0) or 0)
+        if isinstance(check, int) and not 0 <= top_k <= self.max_top_logprobs:
+            check = f"top_logprobs={top_k} must be in [0, {self.max_top_logprobs}]"
         if isinstance(check, str):
             resolve(fut, error_completion(check))
             return
@@ -402,7 +431,7 @@ class VllmEngine(RequestFront):
             seed=int(seed) % (2**63),
             stop_token_ids=[int(t) for t in sp.stop_token_ids],
             ignore_eos=True,
-            logprobs=0,
+            logprobs=top_k,
             detokenize=False,
             output_kind=RequestOutputKind.CUMULATIVE,
         )
@@ -412,7 +441,7 @@ class VllmEngine(RequestFront):
         except Exception as e:  # noqa: BLE001 - vLLM's own validation: report it on this request
             resolve(fut, error_completion(f"vLLM refused the request: {type(e).__name__}: {e}"))
             return
-        self._active[rid] = _Session(request, fut)
+        self._active[rid] = _Session(request, fut, on_tokens=on_tokens)
 
     def _step(self) -> None:
         outputs = self._llm.step()
@@ -436,7 +465,12 @@ class VllmEngine(RequestFront):
                 entry = row.get(tok) if row else None
                 s.logprobs.append(0.0 if greedy or entry is None else float(entry.logprob))
                 s.versions.append(version)
+                if s.request.params.top_logprobs:
+                    ids_k, lps_k = _top_entries(row or {}, tok, s.request.params.top_logprobs, greedy)
+                    s.top_ids.append(ids_k)
+                    s.top_lps.append(lps_k)
             s.tokens.extend(fresh)
+            notify(s, fresh)
             new_tokens += len(fresh)
             if out.finished:
                 del self._active[out.request_id]
@@ -446,6 +480,8 @@ class VllmEngine(RequestFront):
                     continue
                 routed = getattr(comp, "routed_experts", None)
                 completion = Completion(s.tokens, s.logprobs, s.versions, reason)
+                if s.request.params.top_logprobs:
+                    completion.top_token_ids, completion.top_logprobs = s.top_ids, s.top_lps
                 if routed is not None:
                     completion.routed_experts = np.asarray(routed).tolist()
                 resolve(s.future, completion)

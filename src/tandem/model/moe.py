@@ -94,27 +94,34 @@ class RouterHooks:
                     f"router {type(module).__name__} returned {type(output).__name__}; expected "
                     "(router_logits, scores, indices) as transformers' top-k routers do"
                 )
-            logits, _, own = output
-            self._own[layer] = own.detach()
-            if self.replay is None:
-                return None
-            import torch
-
-            idx = self.replay[:, layer]
-            if idx.shape != own.shape:
-                raise ValueError(
-                    f"replayed routes of MoE layer {layer} have shape {tuple(idx.shape)}, the router chose "
-                    f"{tuple(own.shape)} ([tokens, top_k]) in this forward"
-                )
-            if self.replay_mask is not None:
-                idx = torch.where(self.replay_mask[:, None], idx, own)
-            probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
-            scores = probs.gather(-1, idx)
-            if module.norm_topk_prob:
-                scores = scores / scores.sum(dim=-1, keepdim=True)
-            return logits, scores.to(logits.dtype), idx
+            return self.process(layer, module, output)
 
         return hook
+
+    def process(self, layer: int, module: Any, output: tuple[Any, Any, Any]) -> Any:
+        """What the hook does with router ``module``'s output ``(logits, scores, indices)`` of MoE layer
+        ``layer``: records the router's own indices and, while replaying, returns the replayed triple (else
+        None: the output stands). Forwards that compute routing themselves (``tandem.model.deterministic``)
+        call it directly."""
+        logits, _, own = output
+        self._own[layer] = own.detach()
+        if self.replay is None:
+            return None
+        import torch
+
+        idx = self.replay[:, layer]
+        if idx.shape != own.shape:
+            raise ValueError(
+                f"replayed routes of MoE layer {layer} have shape {tuple(idx.shape)}, the router chose "
+                f"{tuple(own.shape)} ([tokens, top_k]) in this forward"
+            )
+        if self.replay_mask is not None:
+            idx = torch.where(self.replay_mask[:, None], idx, own)
+        probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+        scores = probs.gather(-1, idx)
+        if module.norm_topk_prob:
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+        return logits, scores.to(logits.dtype), idx
 
     def clear(self) -> None:
         """Forget the routes recorded by earlier forwards."""

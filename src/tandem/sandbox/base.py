@@ -10,9 +10,14 @@ Invariants:
 - When the backend runs commands as an unprivileged agent uid (bwrap as root), every file of ``workdir``
   (and each file :meth:`write` creates) belongs to that uid, so the agent can edit what it was given.
 - :meth:`Sandbox.exec` runs one command at a time per sandbox (a lock serializes exec/read/write/snapshot).
-  The command starts in a new session, inside the sandbox's cgroups and under its rlimits (see ``limits``).
+  The command starts in a new session, inside the sandbox's cgroups and under its rlimits (see ``limits``),
+  either from the sandbox's spare launcher (already in the cgroups, under the rlimits, waiting for a command)
+  or, when there is none, through the same prelude started on the spot.
   When it exits, whatever it left running is killed; at the timeout the whole tree is killed and the result
-  is exit status 124 with ``timed_out=True`` and a note on stderr. Nothing survives an ``exec`` call.
+  is exit status 124 with ``timed_out=True`` and a note on stderr. Nothing survives an ``exec`` call (the
+  next spare launcher, started later by tandem itself, runs no command until the next ``exec`` hands it
+  one). The cgroup's limit counters are read once per exec, after it (the reading before a command is the
+  previous exec's: nothing of the sandbox runs in between but an idle launcher).
 - Each of stdout and stderr keeps at most ``max_output_bytes``; the rest is drained and dropped, and a
   visible marker line is appended. Output is decoded as UTF-8 with replacement characters.
 - ``read``/``write`` accept only relative paths that stay inside the workspace after resolving symlinks;
@@ -21,6 +26,8 @@ Invariants:
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import os
 import selectors
 import shlex
@@ -137,14 +144,18 @@ def _sweep_tmp() -> None:
 
 
 def _cleanup(
-    root: Path, cgroup: Cgroup, layer: list[tuple[LayerCache, str]], forwarder: list[SocketForwarder]
+    root: Path,
+    cgroup: Cgroup,
+    layer: list[tuple[LayerCache, str]],
+    forwarder: list[SocketForwarder],
+    mounts: list[Path],
 ) -> None:
     while forwarder:
         forwarder.pop().close()
     cgroup.remove()
-    for point in mounts_under(root):  # the workspace overlay and any read-only binds, deepest first
+    while mounts:  # the workspace overlay and any read-only binds, last made first (no mountinfo scan)
         try:
-            unmount(point)
+            unmount(mounts.pop())
         except OSError:
             pass
     _rmtree(root)
@@ -187,10 +198,12 @@ class Sandbox:
         self._root = Path(tempfile.mkdtemp(prefix=f"tandem-sbx-{_host_tag()}-{os.getpid()}-"))
         self.workdir = self._root / "workspace"
         self._layer: list[tuple[LayerCache, str]] = []
+        self._mounts: list[Path] = []
+        """Mount points this sandbox made under its directory, in the order made (unmounted in reverse)."""
         self._cgroup = Cgroup(config.memory_mb, config.pids)
         self._forwarder: list[SocketForwarder] = []
         self._finalizer = weakref.finalize(
-            self, _cleanup, self._root, self._cgroup, self._layer, self._forwarder
+            self, _cleanup, self._root, self._cgroup, self._layer, self._forwarder, self._mounts
         )
         self._prelude = (
             self._cgroup.join_script()
@@ -198,6 +211,9 @@ class Sandbox:
             + 'exec "$@"\n'
         )
         self._spare: _Spare | None = None
+        self._execs = 0
+        self._counters = self._cgroup.counters()
+        """The cgroup's limit counters after the last exec (before the first: at creation)."""
         try:
             self.mode = self._resolve_mode()
             """``overlay`` or ``copy``: how ``workdir`` was made (``workspace_mode`` after auto)."""
@@ -279,6 +295,7 @@ class Sandbox:
         if self.owner is not None:
             os.chown(upper, self.owner, self.owner)
         mount_overlay(lower, upper, work, self.workdir)
+        self._mounts.append(self.workdir)
 
     def _populate(self, workspace: dict[str, str] | Path | WorkspaceTemplate) -> None:
         if isinstance(workspace, WorkspaceTemplate):
@@ -318,7 +335,10 @@ class Sandbox:
     # ---- spare launchers -----------------------------------------------------------------------
     def _spawn_spare(self) -> None:
         """Start the next command's launcher now: it joins the cgroups (a slow kernel operation, ~10 ms)
-        and sets the rlimits while the sandbox is idle, then waits for its command (bwrap backend only)."""
+        and sets the rlimits while the sandbox is idle, then waits for its command (bwrap backend only).
+        The first is started at creation (on the pool's thread for pooled sandboxes); after each exec, the
+        spare-starter thread starts the next one ``SPARE_DELAY_S`` later (see there), never on the caller's
+        thread."""
         if not self.reports_leftovers or self._closed or self._spare is not None:
             return
         status_r, status_w = os.pipe()
@@ -351,6 +371,19 @@ class Sandbox:
             os.close(status_w)
             os.close(cmd_r)
         self._spare = _Spare(proc, status_r, cmd_w)
+
+    def _spawn_spare_if_idle(self, execs: int) -> bool:
+        """Start the spare launcher that exec number ``execs`` scheduled, unless the sandbox is closed or has
+        run another exec since (which schedules its own, or says with ``last=True`` that none is needed).
+        False: the sandbox is busy (an exec, read, write or snapshot holds its lock); try again later."""
+        if not self._lock.acquire(blocking=False):
+            return self._closed or self._execs != execs
+        try:
+            if self._execs == execs:
+                self._spawn_spare()
+            return True
+        finally:
+            self._lock.release()
 
     def _discard_spare(self) -> None:
         spare, self._spare = self._spare, None
@@ -406,8 +439,9 @@ class Sandbox:
         data = stdin.encode() if stdin is not None else None
         with self._lock:
             self._check_open()
+            self._execs += 1  # a spare scheduled by an earlier exec is now stale
             start = time.monotonic()
-            before = self._cgroup.counters()
+            before = self._counters  # nothing runs between commands: the last exec's reading still holds
             argv = ["/bin/sh", "-c", self._prelude, "tandem-sandbox", *self._argv(list(cmd), extra)]
             status_r, status_w = -1, -1
             stdin: int = subprocess.PIPE if data is not None else subprocess.DEVNULL
@@ -476,9 +510,9 @@ class Sandbox:
                 if status_r >= 0:
                     self._leftovers = max(self._leftovers, _read_leftovers(status_r))
             duration = time.monotonic() - start
-            after = self._cgroup.counters()
-            if not last:
-                self._spawn_spare()
+            after = self._counters = self._cgroup.counters()
+            if not last and self.reports_leftovers:
+                _spare_later(self, self._execs)
         code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
         if code < 0:
             code = 128 - code
@@ -675,6 +709,47 @@ class Sandbox:
                     total += len(raw)
                     out[os.path.relpath(full, self.workdir)] = text
             return out
+
+
+SPARE_DELAY_S = 0.05
+"""How long after a command returns its sandbox's next spare launcher is started (on a background thread):
+a sandbox closed within that time (the usual one-command use) never starts one, and the next command of
+a multi-command session (seconds later: the model writes its next turn) still finds one ready."""
+_spare_queue: list[tuple[float, int, weakref.ref[Sandbox], int]] = []
+_spare_cond = threading.Condition()
+_spare_seq = itertools.count()
+_spare_thread: threading.Thread | None = None
+
+
+def _spare_later(box: Sandbox, execs: int) -> None:
+    """Have the spare-starter thread start ``box``'s next spare launcher ``SPARE_DELAY_S`` from now, if its
+    exec number ``execs`` is still the last one then."""
+    global _spare_thread
+    with _spare_cond:
+        due = time.monotonic() + SPARE_DELAY_S
+        heapq.heappush(_spare_queue, (due, next(_spare_seq), weakref.ref(box), execs))
+        if _spare_thread is None:
+            _spare_thread = threading.Thread(target=_spare_loop, name="tandem-sandbox-spares", daemon=True)
+            _spare_thread.start()
+        _spare_cond.notify()
+
+
+def _spare_loop() -> None:
+    while True:
+        with _spare_cond:
+            while not _spare_queue or _spare_queue[0][0] > time.monotonic():
+                _spare_cond.wait(_spare_queue[0][0] - time.monotonic() if _spare_queue else None)
+            _, _, ref, execs = heapq.heappop(_spare_queue)
+        box = ref()
+        if box is not None:
+            try:
+                if not box._spawn_spare_if_idle(execs):
+                    with _spare_cond:
+                        due = time.monotonic() + SPARE_DELAY_S
+                        heapq.heappush(_spare_queue, (due, next(_spare_seq), ref, execs))
+            except Exception:  # noqa: BLE001 - a missing spare only means the next exec starts the slow way
+                pass
+        del box
 
 
 @dataclass

@@ -6,29 +6,38 @@ Invariants of the sandbox a command sees (``bwrap`` 0.8 flags, built once per sa
 - ``--cap-drop ALL`` and ``--new-session`` (no capabilities, no TIOCSTI into the caller's terminal).
 - Run as root, tandem starts ``bwrap`` through ``setpriv`` as the unprivileged ``SandboxConfig.uid`` (no
   supplementary groups, no capabilities; the cgroups and rlimits are set before the switch), so a command
-  is not root inside the sandbox nor outside it. Without root, commands run as tandem's uid.
-- Read-only: ``/usr`` (and the ``/bin``, ``/lib*``, ``/sbin`` links or dirs), a short list of ``/etc``
-  files programs need (no secrets), and the host's base CPython prefix (``sys.base_prefix``) at its own path
-  when the command's uid can reach it; otherwise (e.g. pyenv under a private ``/root``) ``python3`` is the
-  system's ``/usr/bin/python3``, and a machine without one gets a :class:`SandboxError` saying what to do.
+  is not root inside the sandbox nor outside it. Without root, commands run as tandem's uid. (``setpriv``
+  rather than ``Popen(user=...)``: the latter makes CPython fork instead of vfork, and a fork of a large
+  trainer process costs more in page faults than ``setpriv`` does.)
+- Read-only: ``/usr`` (and the ``/bin``, ``/lib*``, ``/sbin`` links or dirs), ``/etc`` holding only a short
+  list of files programs need (no secrets; a copy tandem takes, see :func:`etc_copy`), and the host's base
+  CPython prefix (``sys.base_prefix``) at its own path when the command's uid can reach it; otherwise (e.g.
+  pyenv under a private ``/root``) ``python3`` is the system's ``/usr/bin/python3``, and a machine without
+  one gets a :class:`SandboxError` saying what to do.
   Nothing else of the host is visible: not ``/root``, ``/work``, ``/home``, the venv, or ``/sys``.
-- The root (bwrap's tmpfs holding the mount points, with ``/etc`` etc.) is remounted read-only.
+- The root (bwrap's tmpfs holding the mount points) is remounted read-only.
 - Writable: ``/workspace`` (the private copy, also the cwd and ``HOME``) and a fresh ``/tmp`` tmpfs of at most
   ``memory_mb`` (its pages also count against the memory cgroup);
   fresh ``/proc`` and ``/dev``.
 - Clean environment: PATH (python prefix first, so ``python3``/``python`` are the base CPython), HOME,
   LANG=C.UTF-8, PYTHONDONTWRITEBYTECODE=1, PYTHONHASHSEED=0.
+- Cost: every bind bwrap makes re-reads the whole ``/proc/self/mountinfo`` (every mount of the host,
+  including each live sandbox's overlay), so the flags keep binds few: one for ``/etc`` instead of one per
+  file. The flags that do not depend on the sandbox are computed once per (uid, tmp size, ``/etc`` copy).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
+import hashlib
 import os
 import shutil
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -36,7 +45,7 @@ from tandem.core.config import SandboxConfig
 from tandem.core.errors import SandboxError
 from tandem.sandbox.base import Sandbox
 from tandem.sandbox.forward import SANDBOX_DIR, SANDBOX_PORT, launcher_argv
-from tandem.sandbox.limits import agent_uid
+from tandem.sandbox.limits import _host_tag, agent_uid
 from tandem.sandbox.overlay import bind_readonly
 
 WORKSPACE = "/workspace"
@@ -52,7 +61,60 @@ ETC_FILES = (
     "nsswitch.conf",
     "passwd",
 )
-"""/etc entries bound read-only when present: enough for the dynamic loader, user names, time zones."""
+"""/etc entries the sandbox's ``/etc`` holds when present: enough for the dynamic loader, user names, time
+zones."""
+_etc_lock = threading.Lock()
+_etc_copies: dict[tuple[tuple[str, int, int, int, int], ...], Path] = {}
+
+
+def _etc_key() -> tuple[tuple[str, int, int, int, int], ...]:
+    key = []
+    for name in ETC_FILES:
+        try:
+            st = os.stat(f"/etc/{name}")  # follows symlinks, as a bind of the path would
+        except OSError:
+            continue
+        key.append((name, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
+    return tuple(key)
+
+
+def _remove_etc_copies() -> None:
+    with _etc_lock:
+        for d in _etc_copies.values():
+            shutil.rmtree(d, ignore_errors=True)
+        _etc_copies.clear()
+
+
+def etc_copy() -> Path:
+    """A directory holding a copy of the ``ETC_FILES`` present on the host (files by content, directories
+    with their symlinks), bound read-only as the sandbox's ``/etc`` (one bind instead of one per file).
+
+    It is private to this process (``tandem-sbx-<host>-<pid>-etc-*`` in the temp dir, readable by all, written
+    only by this process's uid), taken again when an entry's device, inode, mtime or size changes (older
+    copies stay while sandboxes may still bind them), removed at exit, and swept like sandbox directories if
+    the process dies."""
+    key = _etc_key()
+    with _etc_lock:
+        d = _etc_copies.get(key)
+        if d is not None and d.is_dir():
+            return d
+        tag = hashlib.sha256(repr(key).encode()).hexdigest()[:8]
+        d = Path(tempfile.mkdtemp(prefix=f"tandem-sbx-{_host_tag()}-{os.getpid()}-etc-{tag}-"))
+        try:
+            for name, *_ in key:
+                src, dst = Path("/etc") / name, d / name
+                if src.is_dir():
+                    shutil.copytree(src, dst, symlinks=True)
+                else:
+                    shutil.copy2(src, dst)
+            os.chmod(d, 0o755)
+        except BaseException:
+            shutil.rmtree(d, ignore_errors=True)
+            raise
+        if not _etc_copies:
+            atexit.register(_remove_etc_copies)
+        _etc_copies[key] = d
+        return d
 
 
 SYSTEM_PYTHON = Path("/usr/bin/python3")
@@ -76,10 +138,11 @@ def _world_reachable(path: Path) -> bool:
     return True
 
 
+@functools.cache
 def sandbox_python(uid: int | None) -> Path | None:
     """The Python prefix to bind for commands running as ``uid``: the host's base prefix, or None when they
     use the system's ``/usr/bin/python3`` (the prefix is private to another uid). Raises when neither
-    works."""
+    works. Decided once per uid."""
     prefix = python_prefix()
     if uid is None or _world_reachable(prefix / "bin" / "python3"):
         return prefix
@@ -106,12 +169,19 @@ def sandbox_env(home: str, prefix: Path | None = None) -> dict[str, str]:
 
 def bwrap_args(workdir: Path, tmp_mb: int = 64, uid: int | None = None) -> list[str]:
     """The argv prefix for a sandbox whose workspace is ``workdir``, run as ``uid``; the command follows."""
-    bwrap = shutil.which("bwrap") or "bwrap"
+    head, tail = _static_args(tmp_mb, uid, etc_copy())
+    return [*head, "--bind", str(workdir), WORKSPACE, *tail]
+
+
+@functools.cache
+def _static_args(tmp_mb: int, uid: int | None, etc: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The flags before and after the workspace bind, which do not depend on the sandbox."""
     args: list[str] = []
     if uid is not None:
         setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
         args += [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
-    args += [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    args += [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
+    args += ["--cap-drop", "ALL"]
     args += ["--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         p = Path("/") / name
@@ -119,18 +189,17 @@ def bwrap_args(workdir: Path, tmp_mb: int = 64, uid: int | None = None) -> list[
             args += ["--symlink", os.readlink(p), str(p)]
         elif p.is_dir():
             args += ["--ro-bind", str(p), str(p)]
-    for name in ETC_FILES:
-        args += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    args += ["--ro-bind", str(etc), "/etc"]
     prefix = sandbox_python(uid)
     if prefix is None:  # `python` is the system python3, as with Debian's python-is-python3
         args += ["--symlink", str(SYSTEM_PYTHON), f"{PYTHON_ALIAS_DIR}/python"]
     elif not prefix.is_relative_to("/usr"):
         args += ["--ro-bind", str(prefix), str(prefix)]
     args += ["--size", str(tmp_mb * 1024 * 1024), "--tmpfs", "/tmp", "--proc", "/proc", "--dev", "/dev"]
-    args += ["--bind", str(workdir), WORKSPACE, "--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv"]
+    tail = ["--remount-ro", "/", "--chdir", WORKSPACE, "--clearenv"]
     for key, value in sandbox_env(WORKSPACE, prefix).items():
-        args += ["--setenv", key, value]
-    return [*args, "--"]
+        tail += ["--setenv", key, value]
+    return tuple(args), (*tail, "--")
 
 
 LEFTOVER_WRAPPER = 'rc=0; "$@" 3>&- || rc=$?; set -- /proc/[0-9]*; echo "leftover $(($# - 2))" >&3; exit $rc'
@@ -207,6 +276,7 @@ class BwrapSandbox(Sandbox):
                     else:
                         stage.touch()
                     bind_readonly(Path(m), stage)
+                    self._mounts.append(stage)
                     os.chown(stage.parent, self.owner, self.owner)
                     source = str(stage)
                 at = self._prefix.index("--remount-ro")

@@ -23,7 +23,7 @@ import torch
 from tandem.model import deterministic as det
 from tandem.train.batching import LogprobOutput, MicroBatch, place_logprobs
 
-_TYPES = {"qwen3", "qwen2", "llama"}
+_TYPES = {"qwen3", "qwen2", "llama", "qwen3_moe"}
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
@@ -36,6 +36,10 @@ def unsupported(model: torch.nn.Module) -> str | None:
         return f"hidden_act {cfg.hidden_act!r} is not silu"
     if any(t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])):
         return "sliding-window layers are not supported"
+    if cfg.model_type == "qwen3_moe" and not all(
+        det.is_moe_layer(layer) or hasattr(layer.mlp, "gate_proj") for layer in model.model.layers
+    ):
+        return "a layer's MLP is neither dense SwiGLU nor top-k routed experts"
     return None
 
 
@@ -56,15 +60,21 @@ _PUBLISH = {"float32": None, "bfloat16": torch.bfloat16}
 
 class DeterministicLogprobs:
     """``token_logprobs`` of one policy model in deterministic mode (keeps its RoPE table).
-    ``publish_dtype``: the precision engines receive the weights in (see the module docstring)."""
+    ``publish_dtype``: the precision engines receive the weights in (see the module docstring).
+    ``route_fn``: MoE models, called with every layer's routing of the packed row's tokens in packed order
+    (the trainer passes its ``RouterHooks.process``, so R3/R2 replay and routing metrics work as with the
+    HF forward)."""
 
-    def __init__(self, model: torch.nn.Module, publish_dtype: str = "float32") -> None:
+    def __init__(
+        self, model: torch.nn.Module, publish_dtype: str = "float32", route_fn: det.RouteFn | None = None
+    ) -> None:
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(
                 f"train.deterministic cannot run this model: {reason}; set train.deterministic=false"
             )
         self.model = model
+        self.route_fn = route_fn
         low = _PUBLISH[publish_dtype]
         self._cast = (lambda t: t) if low is None else (lambda t: RoundTo.apply(t, low))
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -87,7 +97,7 @@ class DeterministicLogprobs:
             ids[j, : e - s] = mb.input_ids[0, s:e]
         seq = torch.repeat_interleave(torch.arange(len(starts)), torch.tensor(lens))
         cos, sin = self._table(t)
-        out = det.forward_tokens(self.model, ids, cos, sin, self._cast)  # [S, t, V]
+        out = det.forward_tokens(self.model, ids, cos, sin, self._cast, (seq, pos), self.route_fn)
         return out[seq, pos]
 
     def __call__(self, mb: MicroBatch, with_entropy: bool = False) -> LogprobOutput:

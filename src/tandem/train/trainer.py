@@ -173,7 +173,12 @@ class Trainer:
         self.model.eval()
         self.routing = TrainerRouting(self.model, config.router_replay)
         # train.deterministic: the policy's logprobs through the batch-invariant forward the engine uses.
-        self._det = DeterministicLogprobs(self.model, publish_dtype) if config.deterministic else None
+        hooks = self.routing.hooks
+        self._det = (
+            DeterministicLogprobs(self.model, publish_dtype, hooks.process if hooks is not None else None)
+            if config.deterministic
+            else None
+        )
         self.ref_model: PreTrainedModel | None = None
         if config.kl_coef != 0.0:
             self.ref_model = load_causal_lm(self.model_path)  # the initial policy, also after a resume

@@ -14,6 +14,11 @@ Invariants:
 - A request with a session id (``X-Tandem-Session`` header, else the ``user`` field) is recorded as described
   in ``tandem.engine.gateway.sessions``; the prompt sent to the engine is the session's recorded ids plus the
   new context. Without a session id nothing is recorded.
+- ``stream: true``: the answer is produced by its own task (it holds the session lock and an in-flight slot
+  until generation ends and the record is committed, whether or not the client keeps reading); content
+  chunks go out as the engine samples tokens when the engine has ``streams_tokens`` (``submit(...,
+  on_tokens=...)``, fed to this event loop with ``call_soon_threadsafe``), else all at the end. Bad input is
+  still a 4xx answer (checked before the stream starts); a failure after it started is an ``error`` event.
 - The app never starts or stops the engine: whoever built the engine owns it (several apps may share one).
 """
 
@@ -24,6 +29,7 @@ import hmac
 import json
 import math
 import time
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -33,9 +39,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tandem.core.generation import ChatFormat, Completion, GenerationRequest, SamplingParams
 from tandem.core.records import Reward
 from tandem.engine.gateway.config import GatewayConfig
+from tandem.engine.gateway.forcing import ForcingUnsupported, forced_prefix
 from tandem.engine.gateway.protocol import MAX_SESSION_ID, BadRequest, ChatRequest, parse_chat_request
 from tandem.engine.gateway.responses import ResponseBuilder, to_turn
 from tandem.engine.gateway.sessions import Plan, Session, SessionStore, Turn
+from tandem.engine.gateway.stream import ContentStream
 
 _TYPES = {
     400: "invalid_request_error",
@@ -53,7 +61,8 @@ _TYPES = {
 class Engine(Protocol):
     """What the gateway needs of an engine (``BuiltinEngine`` and ``VllmEngine`` have it). Optional
     attributes: ``max_top_logprobs`` (0: top_logprobs refused), ``supports_top_p`` (False: top_p < 1 gets
-    400)."""
+    400), ``streams_tokens`` (True: ``submit(request, on_tokens=f)`` calls ``f`` with the sampled ids as
+    they come, so streams are live)."""
 
     @property
     def version(self) -> int: ...
@@ -84,6 +93,7 @@ class _State:
     def __init__(self, config: GatewayConfig) -> None:
         self.sessions = SessionStore(config.max_sessions)
         self.in_flight = 0
+        self.tasks: set[asyncio.Task] = set()  # streams being produced (a reference keeps them alive)
         self.counters = {
             "requests": 0,
             "completed": 0,
@@ -106,6 +116,7 @@ def create_app(
     end_of_turn = int(chat_format.stop_token_ids[0])
     top_lp = int(getattr(engine, "max_top_logprobs", 0))
     top_p_ok = bool(getattr(engine, "supports_top_p", True))
+    live = bool(getattr(engine, "streams_tokens", False))
     st = _State(cfg)
     t_start = int(time.time())
     app = FastAPI(title="tandem gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -245,38 +256,65 @@ def create_app(
                 "report the mass top-p keeps, which training needs); send top_p=1 or omit it",
                 "top_p",
             )
+        try:
+            forced = forced_prefix(chat_format, req.tool_choice)
+        except ForcingUnsupported as e:
+            raise ApiError(400, str(e), "tool_choice") from None
         sid = request.headers.get("x-tandem-session") or req.user
         if sid is not None and not 0 < len(sid) <= MAX_SESSION_ID:
             raise ApiError(400, f"session id must be 1-{MAX_SESSION_ID} characters", "X-Tandem-Session")
-        extra: dict[str, Any] | None = None
-        if sid is None:
-            prompt = chat_format.render_prompt(req.messages, req.tools)
-            turns, finishes = await _generate(prompt, req)
-        else:
+        session: Session | None = None
+        plan: Plan | None = None
+        if sid is not None:
             session = st.sessions.open(sid)
             await session.lock.acquire()
             while st.sessions.get(sid) is not session:  # discarded or evicted while this request waited
                 session.lock.release()
                 session = st.sessions.open(sid)
                 await session.lock.acquire()
-            try:
+        owned = True  # this coroutine releases the session lock (a stream's producer takes it over)
+        try:
+            if session is None:
+                base = chat_format.render_prompt(req.messages, req.tools)
+            else:
                 plan = session.plan(req.messages, req.tools, chat_format, end_of_turn)
-                prompt = plan.prompt_ids
-                t0 = time.perf_counter()
-                turns, finishes = await _generate(prompt, req)
-                session.commit(plan, req.messages, turns, time.perf_counter() - t0)
-                extra = _session_info(session, plan)
-            except BaseException:
-                st.sessions.discard_if_empty(sid)  # a failed first request leaves no empty record
-                raise
-            finally:
+                base = plan.prompt_ids
+            prompt = base + forced
+            if req.stream:
+                builder = ResponseBuilder(req, model_name, prompt, engine.version, decode)
+                out: asyncio.Queue[str | None] = asyncio.Queue()
+                tokens: asyncio.Queue[tuple[int, list[int] | None]] = asyncio.Queue()
+                futures = _submit(prompt, req, tokens)
+                st.in_flight += 1  # released by the producer when the stream is complete
+                job = _produce(req, forced, futures, tokens, builder, session, plan, out)
+                task = asyncio.create_task(job)
+                st.tasks.add(task)
+                task.add_done_callback(st.tasks.discard)
+                owned = False
+                return StreamingResponse(_drain(out), media_type="text/event-stream")
+            t0 = time.perf_counter()
+            turns, finishes = await _collect(_submit(prompt, req, None), req, forced)
+            extra = _commit(session, plan, req, turns, time.perf_counter() - t0)
+            builder = ResponseBuilder(req, model_name, prompt, engine.version, decode)
+        except BaseException:
+            if session is not None and owned:
+                st.sessions.discard_if_empty(session.id)  # a failed first request leaves no empty record
+            raise
+        finally:
+            if session is not None and owned:
                 session.lock.release()
+        return JSONResponse(builder.completion(turns, finishes, extra))  # no FastAPI encoder pass
+
+    def _commit(
+        session: Session | None, plan: Plan | None, req: ChatRequest, turns: list[Turn], seconds: float
+    ) -> dict[str, Any] | None:
+        """Count a successful generation and record it in its session; the session info for the answer."""
         st.counters["completed"] += 1
         st.counters["tokens_generated"] += sum(len(t.token_ids) for t in turns)
-        builder = ResponseBuilder(req, model_name, prompt, engine.version, decode)
-        if req.stream:
-            return StreamingResponse(builder.chunks(turns, finishes, extra), media_type="text/event-stream")
-        return JSONResponse(builder.completion(turns, finishes, extra))  # no FastAPI encoder pass
+        if session is None or plan is None:
+            return None
+        session.commit(plan, req.messages, turns, seconds)
+        return _session_info(session, plan)
 
     def _session_info(session: Session, plan: Plan) -> dict[str, Any]:
         return {
@@ -286,7 +324,12 @@ def create_app(
             "new_segment_reason": plan.reason,
         }
 
-    async def _generate(prompt: list[int], req: ChatRequest) -> tuple[list[Turn], list[str]]:
+    def _submit(
+        prompt: list[int], req: ChatRequest, tokens: asyncio.Queue[tuple[int, list[int] | None]] | None
+    ) -> list[asyncio.Future[Completion]]:
+        """Send the ``n`` generations to the engine. With ``tokens``, each choice's sampled ids are put on it
+        as ``(choice, ids)`` while the engine samples them (engines with ``streams_tokens``), then
+        ``(choice, None)`` once its completion is ready."""
         if len(prompt) >= ctx:
             raise ApiError(
                 400,
@@ -296,6 +339,7 @@ def create_app(
             )
         max_new = min(req.max_tokens or cfg.default_max_tokens, ctx - len(prompt))
         stop_ids = [] if req.ignore_eos else [int(t) for t in chat_format.stop_token_ids]
+        loop = asyncio.get_running_loop()
         futures = []
         for i in range(req.n):
             params = SamplingParams(
@@ -304,21 +348,98 @@ def create_app(
                 top_p=req.top_p,
                 stop_token_ids=list(stop_ids),
                 seed=None if req.seed is None else req.seed + i,
+                top_logprobs=req.top_logprobs if req.logprobs else 0,
             )
-            futures.append(asyncio.wrap_future(engine.submit(GenerationRequest(list(prompt), params))))
+            greq = GenerationRequest(list(prompt), params)
+            if tokens is not None and live:
+
+                def observe(ids: list[int], i: int = i, q: Any = tokens) -> None:  # engine loop thread
+                    loop.call_soon_threadsafe(q.put_nowait, (i, ids))
+
+                fut = asyncio.wrap_future(engine.submit(greq, on_tokens=observe))
+            else:
+                fut = asyncio.wrap_future(engine.submit(greq))
+            if tokens is not None:
+                fut.add_done_callback(lambda _f, i=i, q=tokens: q.put_nowait((i, None)))
+            futures.append(fut)
+        return futures
+
+    async def _collect(
+        futures: list[asyncio.Future[Completion]], req: ChatRequest, forced: list[int]
+    ) -> tuple[list[Turn], list[str]]:
         try:
             done: list[Completion] = await asyncio.wait_for(asyncio.gather(*futures), cfg.request_timeout_s)
         except TimeoutError:
-            st.counters["timeout"] += 1
-            raise ApiError(
-                504, f"generation took longer than request_timeout_s={cfg.request_timeout_s}"
-            ) from None
+            raise _timeout() from None
+        return _turns(done, req, forced)
+
+    def _timeout() -> ApiError:
+        st.counters["timeout"] += 1
+        return ApiError(504, f"generation took longer than request_timeout_s={cfg.request_timeout_s}")
+
+    def _turns(done: list[Completion], req: ChatRequest, forced: list[int]) -> tuple[list[Turn], list[str]]:
         failed = [c for c in done if c.finish_reason == "error"]
         if failed:
             st.counters["engine_error"] += 1
             healthy = engine.health().get("ok", True)
             raise ApiError(500 if healthy else 503, f"the engine failed this request: {failed[0].error}")
-        pairs = [to_turn(c, req, chat_format, decode) for c in done]
+        pairs = [to_turn(c, req, chat_format, decode, forced) for c in done]
         return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    async def _produce(
+        req: ChatRequest,
+        forced: list[int],
+        futures: list[asyncio.Future[Completion]],
+        tokens: asyncio.Queue[tuple[int, list[int] | None]],
+        builder: ResponseBuilder,
+        session: Session | None,
+        plan: Plan | None,
+        out: asyncio.Queue[str | None],
+    ) -> None:
+        """One streamed answer, run as its own task so it completes (and the session lock is released)
+        whether or not the client keeps reading. Errors after the first chunk become an error event."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.request_timeout_s
+        streams = [ContentStream(forced, req, chat_format, decode) for _ in range(req.n)]
+        committed = False
+        t0 = time.perf_counter()
+        try:
+            for i in range(req.n):
+                out.put_nowait(builder.head(i))
+            left = req.n
+            while left:
+                try:
+                    i, ids = await asyncio.wait_for(tokens.get(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    raise _timeout() from None
+                if ids is None:
+                    left -= 1
+                elif text := streams[i].push(ids):
+                    out.put_nowait(builder.delta(i, text))
+            turns, finishes = _turns([f.result() for f in futures], req, forced)
+            extra = _commit(session, plan, req, turns, time.perf_counter() - t0)
+            committed = True
+            for chunk in builder.tail(turns, finishes, extra, [s.sent for s in streams]):
+                out.put_nowait(chunk)
+        except ApiError as e:
+            body = {"error": {"message": e.message, "type": _TYPES.get(e.status, "error"), "param": e.param}}
+            out.put_nowait(f"data: {json.dumps(body)}\n\n")
+        except Exception as e:  # noqa: BLE001 - a bug: report it on the stream, keep serving
+            st.counters["engine_error"] += 1
+            body = {"error": {"message": f"internal error: {type(e).__name__}: {e}", "type": "server_error"}}
+            out.put_nowait(f"data: {json.dumps(body)}\n\n")
+        finally:
+            for f in futures:
+                f.cancel()  # no-op when done; a timed-out generation is abandoned
+            if session is not None:
+                if not committed:
+                    st.sessions.discard_if_empty(session.id)
+                session.lock.release()
+            st.in_flight -= 1
+            out.put_nowait(None)
+
+    async def _drain(out: asyncio.Queue[str | None]) -> AsyncIterator[str]:
+        while (chunk := await out.get()) is not None:
+            yield chunk
 
     return app

@@ -8,6 +8,9 @@ Invariants:
   ``user``, ``assistant``, ``tool``; content is text (text parts are joined; other part types are
   rejected); assistant tool calls become ``{"name", "arguments"}`` with ``arguments`` a parsed JSON object
   (the form ``ChatFormat.parse_assistant`` returns, so a history can be compared with what the model made).
+- ``tool_choice`` "required" needs tools and a named function must be one of them (enforced by forcing the
+  turn's start, ``tandem.engine.gateway.forcing``); ``top_logprobs`` (0-20, at most the engine's
+  ``max_top_logprobs``) needs ``logprobs=true`` when above 0, as OpenAI's API does.
 - Sampling fields are range-checked here; limits that depend on the prompt length (the context) are checked
   by the caller once the prompt is rendered.
 """
@@ -284,10 +287,12 @@ def parse_chat_request(
             raise BadRequest(f"top_logprobs={tl!r} must be an integer in [0, 20]", "top_logprobs")
         if tl > max_top_logprobs:
             raise BadRequest(
-                f"top_logprobs={tl} is not available: this engine reports only the sampled token's logprob "
-                f"(top_logprobs <= {max_top_logprobs}); use logprobs=true with top_logprobs=0",
+                f"top_logprobs={tl} is not available: this engine reports at most {max_top_logprobs} "
+                f"alternatives per token; send top_logprobs <= {max_top_logprobs}",
                 "top_logprobs",
             )
+        if tl > 0 and not req.logprobs:
+            raise BadRequest(f"top_logprobs={tl} needs logprobs=true", "top_logprobs")
         req.top_logprobs = tl
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):

@@ -12,11 +12,20 @@ Invariants:
   before the stop string; the finish reason is then "stop".
 - finish_reason: "length" when the engine hit ``max_tokens`` or the context; else "tool_calls" when the
   message has tool calls; else "stop".
-- Logprobs: the sampler's own logprob of every returned token (the trailing end-of-turn token excluded);
-  the built-in engine has no alternatives to report, so ``top_logprobs`` lists are empty.
-- Streaming sends the finished turn as OpenAI chunks (role, content, one chunk per tool call, finish with
-  the turn's logprobs, an optional usage chunk) then ``data: [DONE]``; the engine does not stream tokens, so
-  the chunks of a request arrive together once its generation is done.
+- Forced ids (``tool_choice`` "required" or named, ``tandem.engine.gateway.forcing``) start the turn's text:
+  the message is parsed from forced + sampled ids; they are not sampled, so they have no logprobs and count
+  as prompt tokens (``prompt_token_ids`` ends with them, ``token_ids`` and ``completion_tokens`` are the
+  sampled ones only). Stop strings are matched in the sampled text.
+- Logprobs: the sampler's own logprob of every returned sampled token (the trailing end-of-turn token
+  excluded). With ``top_logprobs = k`` each entry lists the engine's k alternatives (``{token, logprob,
+  bytes}``, most likely first) under the same distribution (``tandem.engine.sampling``: after temperature
+  and top-p; greedy is a point mass); a token that distribution excludes has logprob ``-inf``, sent as
+  ``-9999.0`` (OpenAI's value for it; JSON has no infinity).
+- Streaming (``head``, ``delta``, ``tail``): a role chunk per choice first, content chunks as the gateway
+  gets them (``tandem.engine.gateway.stream``), then per choice the content not yet sent, one chunk per tool
+  call (sent whole once the turn is done, never as content), and a finish chunk with the turn's logprobs;
+  then the optional usage chunk, the ``tandem`` session chunk and ``data: [DONE]``. The concatenated content
+  deltas equal the non-streamed message content.
 """
 
 from __future__ import annotations
@@ -49,21 +58,28 @@ def _stop_cut(ids: list[int], stops: list[str], decode: Decode) -> int | None:
     return lo
 
 
-def to_turn(c: Completion, req: ChatRequest, chat: ChatFormat, decode: Decode) -> tuple[Turn, str]:
-    """The recorded turn and the OpenAI finish reason of one completion (see module invariants)."""
+def to_turn(
+    c: Completion, req: ChatRequest, chat: ChatFormat, decode: Decode, forced: list[int] | None = None
+) -> tuple[Turn, str]:
+    """The recorded turn and the OpenAI finish reason of one completion (see module invariants);
+    ``forced``: the ids the turn was forced to start with (prompt side, not in ``c``)."""
+    forced = list(forced or [])
     ids, lps, vers = list(c.token_ids), list(c.logprobs), list(c.versions)
     logmass = list(c.logmass) if getattr(c, "logmass", None) else None
+    top_ids, top_lps = getattr(c, "top_token_ids", None), getattr(c, "top_logprobs", None)
     stop_ids = set(chat.stop_token_ids)
     cut = _stop_cut(ids, req.stop, decode)
     if cut is not None:
         ids, lps, vers = ids[:cut], lps[:cut], vers[:cut]
         logmass = logmass[:cut] if logmass is not None else None
+        top_ids = top_ids[:cut] if top_ids is not None else None
+        top_lps = top_lps[:cut] if top_lps is not None else None
     ended = bool(ids) and ids[-1] in stop_ids
     body = ids[:-1] if ended else ids
     calls: list[dict[str, Any]] = []
     errors: list[str] = []
     if req.parse_tools:
-        text, calls, errors = chat.parse_assistant(ids)
+        text, calls, errors = chat.parse_assistant(forced + ids)
     else:
         text = decode(body)
     if cut is not None:
@@ -86,6 +102,9 @@ def to_turn(c: Completion, req: ChatRequest, chat: ChatFormat, decode: Decode) -
         logmass=logmass,
         temperature=req.temperature,
         routed_experts=routed,
+        forced=forced,
+        top_token_ids=top_ids,
+        top_logprobs=top_lps,
     )
     return turn, finish
 
@@ -105,12 +124,24 @@ def _tool_calls_json(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def _finite(lp: float) -> float:
+    return lp if lp > -9999.0 else -9999.0
+
+
+def _entry(tid: int, lp: float, decode: Decode) -> dict[str, Any]:
+    tok = decode([tid])
+    return {"token": tok, "logprob": _finite(lp), "bytes": list(tok.encode())}
+
+
 def _logprobs_json(turn: Turn, decode: Decode) -> dict[str, Any]:
     n = len(turn.token_ids) - int(turn.ended)
     content = []
-    for tid, lp in zip(turn.token_ids[:n], turn.logprobs[:n], strict=True):
-        tok = decode([tid])
-        content.append({"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []})
+    for j, (tid, lp) in enumerate(zip(turn.token_ids[:n], turn.logprobs[:n], strict=True)):
+        top = []
+        if turn.top_token_ids is not None and turn.top_logprobs is not None:
+            pairs = zip(turn.top_token_ids[j], turn.top_logprobs[j], strict=True)
+            top = [_entry(t, x, decode) for t, x in pairs]
+        content.append({**_entry(tid, lp, decode), "top_logprobs": top})
     return {"content": content, "refusal": None}
 
 
@@ -181,16 +212,32 @@ class ResponseBuilder:
         }
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    def chunks(self, turns: list[Turn], finishes: list[str], extra: dict[str, Any] | None) -> Iterator[str]:
+    @staticmethod
+    def _choice(i: int, delta: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        return {"index": i, "delta": delta, "logprobs": None, "finish_reason": None, **kw}
+
+    def head(self, i: int) -> str:
+        """The first chunk of choice ``i`` (its role)."""
+        return self._chunk([self._choice(i, {"role": "assistant", "content": ""})])
+
+    def delta(self, i: int, text: str) -> str:
+        """A content chunk of choice ``i``."""
+        return self._chunk([self._choice(i, {"content": text})])
+
+    def tail(
+        self, turns: list[Turn], finishes: list[str], extra: dict[str, Any] | None, sent: list[str]
+    ) -> Iterator[str]:
+        """The chunks after the streamed content ``sent[i]`` of each choice (see module invariants)."""
         for i, (turn, finish) in enumerate(zip(turns, finishes, strict=True)):
             msg = self._message(turn)
 
             def ch(delta: dict[str, Any], i: int = i, **kw: Any) -> dict[str, Any]:
-                return {"index": i, "delta": delta, "logprobs": None, "finish_reason": None, **kw}
+                return self._choice(i, delta, **kw)
 
-            yield self._chunk([ch({"role": "assistant", "content": ""})])
-            if msg["content"]:
-                yield self._chunk([ch({"content": msg["content"]})])
+            content = turn.message.content or ""
+            rest = content[len(sent[i]) :] if content.startswith(sent[i]) else ""
+            if rest:
+                yield self._chunk([ch({"content": rest})])
             for k, call in enumerate(msg.get("tool_calls", [])):
                 yield self._chunk([ch({"tool_calls": [{"index": k, **call}]})])
             lp = _logprobs_json(turn, self.decode) if self.req.logprobs else None

@@ -8,7 +8,7 @@ Invariants:
   ``ChatFormat.render_prompt``; each later request that *extends* the recorded conversation reuses the
   recorded ids as they are and appends only ``ChatFormat.render_continuation(new messages)`` (``loss_mask``
   0, NaN logprob, version -1), then the sampled turn (``loss_mask`` 1, the sampler's logprobs and versions).
-  The prompt sent to the engine is exactly the segment's ids at that point.
+  The prompt sent to the engine is exactly the segment's ids at that point (plus the turn's forced ids).
 - "Extends" means: same tools; every earlier message equal in what the chat format renders (role, content,
   tool calls); the recorded last assistant message equal to what the model produced (with ``n > 1``, any one
   of that turn's choices; the chosen one then replaces choice 0 in the record; when several choices have the
@@ -16,6 +16,11 @@ Invariants:
   the new ones (the model did not produce it). Otherwise the current segment is closed, a new one starts
   from ``render_prompt`` of the full request, and ``segment_reasons`` records why (edited, reordered,
   truncated history, changed tools, foreign assistant turn).
+- Forced ids (``tool_choice`` "required" or a named function, ``tandem.engine.gateway.forcing``) are the
+  start of the assistant turn that the model did not sample: they are recorded right after the prompt as
+  context (``loss_mask`` 0, NaN logprob, version -1), then the sampled ids. The turn's message is parsed from
+  forced + sampled ids, so a history that sends it back matches and the next request reuses the recorded ids
+  (forced ones included) unchanged. The prompt the engine saw is the recorded ids up to the sampled ones.
 - A sampled turn that ended without the end-of-turn token (``max_tokens`` reached, a stop string, or
   ``ignore_eos``) is kept as sampled; if the conversation continues, the end-of-turn token is appended as
   context (``loss_mask`` 0) before the continuation, exactly what the chat format puts after a turn.
@@ -58,6 +63,9 @@ class Turn:
     routed_experts: np.ndarray | None = (
         None  # [prompt + turn tokens, moe_layers, top_k] when the engine has it
     )
+    forced: list[int] = field(default_factory=list)  # turn start given, not sampled (recorded as context)
+    top_token_ids: list[list[int]] | None = None  # per sampled token, the engine's top alternatives
+    top_logprobs: list[list[float]] | None = None
 
 
 @dataclass
@@ -167,7 +175,10 @@ class Session:
             ids = chat.render_prompt(messages, tools)
             return Plan(ids, True, reason, ids, None, key)
         last = swap or self.last
-        base = self.builder.ids[: self.turn_start] + swap.token_ids if swap else list(self.builder.ids)
+        if swap:
+            base = self.builder.ids[: self.turn_start] + swap.forced + swap.token_ids
+        else:
+            base = list(self.builder.ids)
         ctx = ([] if last.ended else [end_of_turn]) + chat.render_continuation(messages[len(self.messages) :])
         return Plan(base + ctx, False, None, ctx, swap, key)
 
@@ -200,11 +211,13 @@ class Session:
                 for arr in (b.ids, b.mask, b.logprobs, b.versions, b.logmass, b.temperature):
                     del arr[self.turn_start :]
                 t = plan.swap
+                b.add_context(t.forced)
                 b.add_sampled(t.token_ids, t.logprobs, t.versions, t.logmass, t.temperature)
             b.add_context(plan.context_ids)
         b = self.builder
         assert b is not None and b.ids == plan.prompt_ids, "the prompt sent must be the recorded ids"
         self.turn_start = len(b)
+        b.add_context(first.forced)
         b.add_sampled(first.token_ids, first.logprobs, first.versions, first.logmass, first.temperature)
         self.routed_experts = first.routed_experts
         self.messages = [*messages, first.message]

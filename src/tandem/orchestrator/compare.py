@@ -1,0 +1,336 @@
+"""Side-by-side report of finished runs (``tandem report compare RUN_DIR RUN_DIR ... --out DIR``):
+``compare.md`` with one PNG per metric (x = trainer step, one curve per run in the same panel) and all of
+them in ``overview.png``, a per-run summary table, the config fields that differ between the runs, and
+``compare.json`` with the same numbers.
+
+Invariants:
+- every number is read from what the runs wrote (``metrics.jsonl``, ``config.toml``, ``eval_before.json``,
+  ``eval_after.json``); nothing is assumed. A step logged twice (a resumed run) counts once, its last row.
+- every input is read and checked before anything is written: bad input raises ``CompareError`` naming the
+  file (and line) and what to do, and leaves ``--out`` untouched. Outputs are rendered in a temporary
+  directory next to ``--out`` and moved in afterwards, ``compare.md`` last, so it never names a missing PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tandem.core.errors import TandemError
+from tandem.orchestrator.report import _plot
+
+# (metric key in metrics.jsonl, panel title, y label); panels whose key no run logged are left out.
+PANELS: tuple[tuple[str, str, str], ...] = (
+    ("reward_mean", "training reward (mean over the step's samples)", "reward"),
+    ("train/mismatch_kl_k3", "sampler vs trainer KL (k3)", "per sampled token"),
+    ("train/mismatch_abs_dlogp_max", "sampler vs trainer max |dlogp|", "nats"),
+    ("train/routing_agreement", "MoE routing agreement (trainer's own router)", "share of token-layers"),
+    ("train/routing_used_agreement", "MoE routing agreement (experts used, replay included)", "share"),
+    ("train/clip_frac", "PPO clip fraction", "share of tokens"),
+    ("train/grad_norm", "gradient norm (before clipping)", "L2 norm"),
+    ("train/entropy", "policy entropy", "nats per token"),
+)
+# Config fields that name a run when no --label is given, in order of preference.
+LABEL_FIELDS: tuple[tuple[str, str], ...] = (("train.router_replay", "off"), ("orchestrator.mode", "async"))
+
+
+class CompareError(TandemError):
+    """A run directory or the options of ``tandem report compare`` cannot be used."""
+
+
+@dataclass(frozen=True)
+class RunData:
+    """One run directory as written by ``tandem train``."""
+
+    path: Path
+    rows: list[dict[str, Any]]
+    config: dict[str, Any]
+    eval_before: dict[str, Any] | None
+    eval_after: dict[str, Any] | None
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Step rows of one ``metrics.jsonl``, sorted by step, the last row of a repeated step kept."""
+    if not path.is_file():
+        raise CompareError(
+            f"{path} does not exist; pass run directories written by `tandem train` (each has metrics.jsonl)"
+        )
+    by_step: dict[int, dict[str, Any]] = {}
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CompareError(
+                f"{path}, line {n}: not valid JSON ({e.msg}); delete or repair that line (a run killed while "
+                "writing can leave a cut-off last line)"
+            ) from e
+        step = row.get("step") if isinstance(row, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise CompareError(
+                f"{path}, line {n}: expected a JSON object with an integer 'step', got {line[:80]!r}; "
+                "delete or repair that line"
+            )
+        by_step[step] = row
+    if not by_step:
+        raise CompareError(
+            f"{path} has no step rows (the run finished no trainer step); compare runs that trained at least "
+            "one step"
+        )
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CompareError(f"{path}, line {e.lineno}: not valid JSON ({e.msg}); repair or delete it") from e
+    if not isinstance(data, dict):
+        raise CompareError(f"{path}: expected a JSON object; repair or delete it")
+    return data
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise CompareError(f"{path}: not valid TOML ({e}); repair or delete it") from e
+
+
+def load_run(run_dir: Path) -> RunData:
+    """Read one run directory; raises ``CompareError`` naming the file for anything unusable."""
+    if not run_dir.is_dir():
+        raise CompareError(f"{run_dir} is not a directory; pass run directories written by `tandem train`")
+    return RunData(
+        path=run_dir,
+        rows=read_rows(run_dir / "metrics.jsonl"),
+        config=_read_config(run_dir / "config.toml"),
+        eval_before=_read_json(run_dir / "eval_before.json"),
+        eval_after=_read_json(run_dir / "eval_after.json"),
+    )
+
+
+def _flatten(config: dict[str, Any]) -> dict[str, Any]:
+    """``{"train": {"lr": 1}}`` -> ``{"train.lr": 1}`` (one level of sections, as ``dump_config`` writes)."""
+    out: dict[str, Any] = {}
+    for section, values in config.items():
+        if isinstance(values, dict):
+            out.update({f"{section}.{k}": v for k, v in values.items()})
+        else:
+            out[section] = values
+    return out
+
+
+def config_differences(runs: list[RunData]) -> dict[str, list[Any]]:
+    """Config fields whose values are not all equal, with each run's value (None where a run lacks it)."""
+    flat = [_flatten(r.config) for r in runs]
+    keys = sorted(set().union(*flat))
+    return {k: [f.get(k) for f in flat] for k in keys if len({json.dumps(f.get(k)) for f in flat}) > 1}
+
+
+def default_labels(runs: list[RunData]) -> list[str]:
+    """Name runs by ``train.router_replay`` and/or ``orchestrator.mode`` where those differ, else (or when
+    that leaves two runs with one name) add the directory name, then the whole path."""
+    flat = [_flatten(r.config) for r in runs]
+    parts: list[list[str]] = [[] for _ in runs]
+    for key, default in LABEL_FIELDS:
+        values = [str(f.get(key, default)) for f in flat]
+        if len(set(values)) > 1:
+            short = key.split(".")[-1]
+            for p, v in zip(parts, values, strict=True):
+                p.append(f"{short}={v}")
+    labels = [" ".join(p) for p in parts]
+    if len(set(labels)) < len(labels) or not all(labels):
+        labels = [
+            f"{lab} ({r.path.name})" if lab else r.path.name for lab, r in zip(labels, runs, strict=True)
+        ]
+    if len(set(labels)) < len(labels):
+        labels = [str(r.path) for r in runs]
+    return labels
+
+
+def _mean(values: list[float]) -> float | None:
+    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else None
+
+
+def _column(rows: list[dict[str, Any]], key: str) -> list[float]:
+    return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+
+
+def summarize(run: RunData) -> dict[str, Any]:
+    """The numbers of the summary table: steps, reward over the last quarter of the steps (at least one),
+    mean mismatch and routing metrics over all steps that logged them, held-out pass@1 before/after."""
+    rows = run.rows
+    last = rows[-max(1, len(rows) // 4) :]
+    return {
+        "run_dir": str(run.path),
+        "steps": len(rows),
+        "last_step": rows[-1]["step"],
+        "reward_mean_last_quarter": _mean(_column(last, "reward_mean")),
+        "reward_mean_first_quarter": _mean(_column(rows[: max(1, len(rows) // 4)], "reward_mean")),
+        "mismatch_kl_k3_mean": _mean(_column(rows, "train/mismatch_kl_k3")),
+        "mismatch_abs_dlogp_max_mean": _mean(_column(rows, "train/mismatch_abs_dlogp_max")),
+        "routing_agreement_mean": _mean(_column(rows, "train/routing_agreement")),
+        "routing_used_agreement_mean": _mean(_column(rows, "train/routing_used_agreement")),
+        "heldout_pass1_before": None if run.eval_before is None else run.eval_before.get("pass@1"),
+        "heldout_pass1_after": None if run.eval_after is None else run.eval_after.get("pass@1"),
+    }
+
+
+def fmt(value: Any) -> str:
+    """A table cell: ``-`` for a missing number, else four significant digits."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _slug(key: str) -> str:
+    return key.replace("train/", "").replace("/", "_")
+
+
+Series = dict[str, tuple[list[float], list[float]]]
+
+
+def _grid(path: Path, panels: list[tuple[str, Series]]) -> None:
+    """Every panel in one figure, two per row, the same colour for a run in every panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = math.ceil(len(panels) / 2)
+    fig, axes = plt.subplots(rows, 2, figsize=(11, 2.8 * rows), squeeze=False)
+    for ax, (title, series) in zip(axes.flat, panels, strict=False):
+        for label, (xs, ys) in series.items():
+            ax.plot(xs, ys, label=label, marker="." if len(xs) < 60 else None)
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("trainer step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def _plots(runs: list[RunData], labels: list[str], out: Path) -> list[str]:
+    """One PNG per metric of ``PANELS`` that some run logged, and ``overview.png`` with all of them;
+    returns the markdown sections (the overview first)."""
+    sections: list[str] = []
+    panels: list[tuple[str, Series]] = []
+    for key, title, ylabel in PANELS:
+        series = {
+            lab: (
+                [float(r["step"]) for r in run.rows if isinstance(r.get(key), (int, float))],
+                _column(run.rows, key),
+            )
+            for lab, run in zip(labels, runs, strict=True)
+        }
+        present = {lab: s for lab, s in series.items() if s[0]}
+        if not present:
+            continue
+        png = f"{_slug(key)}.png"
+        _plot(out / png, title, present, ylabel)
+        panels.append((title, present))
+        missing = [lab for lab in labels if lab not in present]
+        note = f" (not logged by: {', '.join(missing)})" if missing else ""
+        sections += [f"## {title} (`{key}`){note}", "", f"![{title}]({png})", ""]
+    if not panels:
+        return []
+    _grid(out / "overview.png", panels)
+    return ["## All metrics", "", "![all metrics, one curve per run](overview.png)", "", *sections]
+
+
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("steps", "steps"),
+    ("reward, last quarter", "reward_mean_last_quarter"),
+    ("reward, first quarter", "reward_mean_first_quarter"),
+    ("mean KL k3", "mismatch_kl_k3_mean"),
+    ("mean max abs dlogp", "mismatch_abs_dlogp_max_mean"),
+    ("mean routing agreement", "routing_agreement_mean"),
+    ("mean routing agreement (used)", "routing_used_agreement_mean"),
+    ("held-out pass@1 before", "heldout_pass1_before"),
+    ("held-out pass@1 after", "heldout_pass1_after"),
+)
+
+
+def _table(labels: list[str], summaries: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| run | run dir | " + " | ".join(c for c, _ in COLUMNS) + " |",
+        "|---" * (len(COLUMNS) + 2) + "|",
+    ]
+    for lab, s in zip(labels, summaries, strict=True):
+        lines.append(f"| {lab} | `{s['run_dir']}` | " + " | ".join(fmt(s[k]) for _, k in COLUMNS) + " |")
+    return lines + [
+        "",
+        "Reward columns average `reward_mean` over the first / last quarter of each run's steps (at least "
+        "one step); the other means are over every step that logged the metric.",
+        "",
+    ]
+
+
+def _differences(labels: list[str], diffs: dict[str, list[Any]]) -> list[str]:
+    if not diffs:
+        return ["The runs' config.toml files are identical (or absent).", ""]
+    lines = ["Config fields that differ:", ""]
+    for k, vs in diffs.items():
+        lines.append(f"- `{k}`: " + " | ".join(f"{lab}: {fmt(v)}" for lab, v in zip(labels, vs, strict=True)))
+    return lines + [""]
+
+
+def _render(runs: list[RunData], labels: list[str], out: Path) -> None:
+    """Write PNGs, ``compare.json`` and ``compare.md`` into ``out`` (an empty directory)."""
+    summaries = [summarize(r) for r in runs]
+    diffs = config_differences(runs)
+    (out / "compare.json").write_text(
+        json.dumps({"runs": dict(zip(labels, summaries, strict=True)), "config_differences": diffs}, indent=2)
+    )
+    lines = [f"# tandem run comparison ({len(runs)} runs)", ""]
+    lines += _table(labels, summaries) + _differences(labels, diffs) + _plots(runs, labels, out)
+    (out / "compare.md").write_text("\n".join(lines))
+
+
+def compare_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = None) -> Path:
+    """Read every run, then write the comparison into ``out``; returns the path of ``compare.md``."""
+    if len(run_dirs) < 2:
+        raise CompareError(f"compare needs at least 2 run directories, got {len(run_dirs)}; pass two or more")
+    resolved = [p.resolve() for p in run_dirs]
+    if len(set(resolved)) < len(resolved):
+        raise CompareError("the same run directory was passed twice; pass distinct run directories")
+    if labels and len(labels) != len(run_dirs):
+        raise CompareError(
+            f"got {len(labels)} --label for {len(run_dirs)} run directories; pass one --label per run or none"
+        )
+    if labels and len(set(labels)) < len(labels):
+        raise CompareError(f"--label values must be distinct, got {labels}")
+    if out.exists() and not out.is_dir():
+        raise CompareError(f"--out {out} exists and is not a directory; pass a directory")
+    runs = [load_run(p) for p in run_dirs]
+    names = list(labels) if labels else default_labels(runs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        _render(runs, names, tmp)
+        out.mkdir(exist_ok=True)
+        for f in sorted(tmp.iterdir(), key=lambda p: p.name == "compare.md"):  # compare.md last
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out / "compare.md"
