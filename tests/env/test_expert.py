@@ -87,3 +87,24 @@ def test_corpus_is_train_only_short_and_deterministic() -> None:
     lengths = sorted(len(_render(m)) for m in corpus)
     assert sum(lengths) / len(lengths) < 1400
     assert lengths[-1] < 2400
+
+
+def test_rl_task_stream_skips_the_midtraining_tasks() -> None:
+    """RL's default task stream starts past the tasks the shipped base model's corpus covers (the recipe's
+    6000 transcripts: indices 0-1999 per level, seed 0), so RL learns on instances not memorised."""
+    from pathlib import Path
+
+    from tandem.core.config import RunConfig
+    from tandem.rollout.worker import TaskStream
+
+    recipe = json.loads((Path(__file__).resolve().parents[2] / "models/tandem-base/recipe.json").read_text())
+    corpus = recipe["corpus"]
+    n, levels, seed = corpus["transcripts"], corpus["levels"], corpus["seed"]
+    seen = {generate_task("train", i // len(levels), seed, levels[i % len(levels)]).id for i in range(n)}
+    cfg = RunConfig()
+    stream = TaskStream(cfg, worker_index=1, num_workers=2)
+    drawn = [next(stream).id for _ in range(30)]
+    assert not seen & set(drawn)
+    assert drawn[:3] == [next(TaskStream(cfg, 1, 2)).id, *drawn[1:3]]  # deterministic
+    first = TaskStream(RunConfig(tasks={"train_start": 0}))
+    assert next(first).id in seen  # without the offset RL starts on mid-training tasks

@@ -48,6 +48,11 @@ class TaskConfig(Section):
     """Seed of the task generator; splits are disjoint by construction for every seed (builtin only)."""
     heldout_size: int = 64
     """Number of held-out tasks used by evaluation (humaneval: the first min(n, 164) problems)."""
+    train_start: int = Field(default=10_000, ge=0)
+    """Index of the first training-split task RL draws (workers take train_start, train_start + 1, ...).
+    The default skips the tasks the shipped base model was mid-trained on (expert transcripts of builtin
+    indices 0-1999 per level, seed 0; see models/README.md), so RL learns on instances the model has not
+    memorised, as the held-out split is. 0: start at the first task."""
     max_turns: int = 6
     """Assistant turns per session before it is truncated."""
     max_tokens: int = 768

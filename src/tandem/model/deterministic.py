@@ -11,8 +11,9 @@ another position. What is used instead (each point checked by ``tests/train/test
 
 - ``linear``: rows are padded with zeros to a multiple of ``TILE_ROWS``; for K up to ``K_WHOLE_MAX`` the
   product is one call, above it it is taken in slices of ``K_CHUNK`` columns of K, one call per slice on all
-  the rows, the partial products added in slice order (elementwise). Measured on this CPU (tests/train/test_deterministic.py checks it where it runs): for a row
-  count that is a multiple of 16 and K < 1024, a row's bits do not depend on the number of rows or its
+  the rows, the partial products added in slice order (elementwise). Measured on this CPU
+  (tests/train/test_deterministic.py checks it where it runs): for a row count that is a multiple of 16
+  and K < 1024, a row's bits do not depend on the number of rows or its
   position (for K >= 1024 they do: hence the slices); a plain unpadded product changed row 0's bits in 62 of
   62 batch sizes. The weight must be the contiguous ``[K, N]`` transposed matrix (both sides build it the
   same way: ``torch.cat(ws).t().contiguous()``). The thread count is part of the shape: one thread and two

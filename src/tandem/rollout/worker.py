@@ -21,15 +21,16 @@ from tandem.env.harness import GenerateFn, run_session
 
 
 class TaskStream:
-    """An endless, deterministic stream of training-split tasks of ``tasks.source`` (builtin: cycling over the
-    configured levels; see ``tandem.env.sources.task_at``).
+    """An endless, deterministic stream of training-split tasks of ``tasks.source`` from index
+    ``tasks.train_start`` on (builtin: cycling over the configured levels; see
+    ``tandem.env.sources.task_at``).
 
     Requeued tasks (from failed groups) are served before new ones.
     """
 
     def __init__(self, cfg: RunConfig, worker_index: int = 0, num_workers: int = 1) -> None:
         self._cfg = cfg
-        self._indices: Iterator[int] = itertools.count(worker_index, num_workers)
+        self._indices: Iterator[int] = itertools.count(cfg.tasks.train_start + worker_index, num_workers)
         self._requeued: list[Task] = []
 
     def requeue(self, task: Task) -> None:
