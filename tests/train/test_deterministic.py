@@ -25,12 +25,7 @@ from tandem.train.trainer import Trainer, load_causal_lm
 MODEL = str(Path(__file__).resolve().parents[2] / "models" / "tandem-base")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- primitives --------------------------------------------------------------------------------------------

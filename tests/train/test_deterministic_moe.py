@@ -24,12 +24,7 @@ TARGET = [5, 17, 99, 300, 42, 7, 8, 1000, 23, 61, 2000, 12]
 OTHERS = [([3 + i, 50, 60 + i, 700] * (i + 1), 7 + i, 10 + 5 * i) for i in range(5)]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
