@@ -108,3 +108,12 @@ def test_rl_task_stream_skips_the_midtraining_tasks() -> None:
     assert drawn[:3] == [next(TaskStream(cfg, 1, 2)).id, *drawn[1:3]]  # deterministic
     first = TaskStream(RunConfig(tasks={"train_start": 0}))
     assert next(first).id in seen  # without the offset RL starts on mid-training tasks
+
+
+def test_negative_train_start_is_refused_naming_the_field() -> None:
+    import pytest
+
+    from tandem.core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="tasks.train_start"):
+        load_config(overrides=["tasks.train_start=-1"])
