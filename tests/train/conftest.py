@@ -12,3 +12,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def _element_patches(old: dict, new: dict) -> dict:
+    """``patch_weights`` input that turns the published state ``old`` into ``new``: per tensor the flat
+    indices that changed and their new values (what the delta path sends)."""
+    import numpy as np
+
+    patches = {}
+    for name, a in new.items():
+        idx = np.flatnonzero(a.reshape(-1) != old[name].reshape(-1))
+        if idx.size:
+            patches[name] = (idx.astype(np.int64), a.reshape(-1)[idx])
+    return patches
+
+
+@pytest.fixture
+def element_patches():
+    """The function ``(old_state, new_state) -> patches`` (see ``_element_patches``)."""
+    return _element_patches

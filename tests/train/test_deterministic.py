@@ -223,7 +223,7 @@ def test_trainer_logprobs_equal_the_engine_bits_when_packed(engine):
     assert metrics["updated"] == 1 and np.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
 
 
-def test_bf16_published_weights_still_give_exact_logprobs():
+def test_bf16_published_weights_still_give_exact_logprobs(element_patches):
     """The delta transport publishes bf16: the engine computes on the rounded weights, the trainer's
     deterministic forward reads its fp32 masters through the same rounding, so the bits still agree, also
     after updates: a full reload, then element patches (the delta path's ``patch_weights``)."""
@@ -238,11 +238,7 @@ def test_bf16_published_weights_still_give_exact_logprobs():
             assert metrics["mismatch_kl_k3"] == 0.0 and metrics["mismatch_abs_dlogp_max"] == 0.0, step
             assert metrics["updated"] == 1
             new = trainer.publish_state()
-            patches = {}
-            for name, a in new.items():
-                idx = np.flatnonzero(a.reshape(-1) != state[name].reshape(-1))
-                if idx.size:
-                    patches[name] = (idx.astype(np.int64), a.reshape(-1)[idx])
+            patches = element_patches(state, new)
             assert patches
             eng.patch_weights(trainer.version, patches)
             state = new

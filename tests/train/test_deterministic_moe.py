@@ -102,7 +102,7 @@ def _groups(eng):
 
 
 @pytest.mark.parametrize("replay", ["off", "r3"])
-def test_trainer_matches_engine_bits_and_routes_through_bf16_patches(moe_dir, replay):
+def test_trainer_matches_engine_bits_and_routes_through_bf16_patches(moe_dir, replay, element_patches):
     cfg = TrainConfig(deterministic=True, threads=1, lr=1e-3, router_replay=replay, micro_batch_tokens=512)
     trainer = Trainer(moe_dir, cfg, publish_dtype="bfloat16")
     eng = _engine(moe_dir)
@@ -116,11 +116,7 @@ def test_trainer_matches_engine_bits_and_routes_through_bf16_patches(moe_dir, re
             assert metrics["mismatch_kl_k3"] == 0.0 and metrics["mismatch_abs_dlogp_max"] == 0.0, step
             assert metrics["routing_agreement"] == 1.0 and metrics["routing_used_agreement"] == 1.0, step
             new = trainer.publish_state()
-            patches = {}
-            for name, a in new.items():
-                idx = np.flatnonzero(a.reshape(-1) != state[name].reshape(-1))
-                if idx.size:
-                    patches[name] = (idx.astype(np.int64), a.reshape(-1)[idx])
+            patches = element_patches(state, new)
             patched |= set(patches)
             eng.patch_weights(trainer.version, patches)
             state = new
