@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bench_sync_prints_its_json_and_the_delta_is_far_smaller():
     r = subprocess.run(
         [sys.executable, "-m", "tandem.cli.main", "bench", "sync", "--json",
-         "--relays", "1", "--engines", "1", "--deltas", "1"],
+         "--relays", "1", "--engines", "1", "--deltas", "1", "--size", "default"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -19,6 +19,7 @@ def test_bench_sync_prints_its_json_and_the_delta_is_far_smaller():
     for key in ("bandwidth_mbps", "relays", "engines", "delta_s", "full_s", "speedup", "bound_s", "pause_ms",
                 "full_reload_ms", "tokens_per_s_during_sync_ratio"):  # fmt: skip
         assert key in out, key
+    assert out["size"] == "default" and out["model_params"] > 1_000_000
     assert 0 < out["density"] < 0.5
     assert 0 < out["delta_bytes"] * 10 < out["full_bytes"] < out["raw_bytes"]
     assert out["pause_ms"] > 0 and out["full_reload_ms"] > 0 and out["tokens_per_s_quiet"] > 0
@@ -30,3 +31,8 @@ def test_bench_sync_rejects_bad_counts():
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 2 and "relays" in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "tandem.cli.main", "bench", "sync", "--size", "1t"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "size '1t'" in r.stderr

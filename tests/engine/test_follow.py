@@ -118,3 +118,26 @@ def test_corrupt_blob_recovers_from_snapshot_and_never_serves_bad_weights(served
     state = engine.model.state_dict()
     for name, bits in published.items():
         assert torch.equal(state[name], torch.from_numpy(bits).view(torch.bfloat16).float()), name
+
+
+def test_sync_work_runs_below_the_process_priority_and_bad_nice_is_refused(served):
+    import os
+    import threading
+
+    from tandem.core.config import load_config
+    from tandem.core.errors import ConfigError
+
+    _, server = served
+    engine = BuiltinEngine(_model(), EngineConfig(max_batch=2, max_seq_len=64))
+    base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    sync = EngineWeightSync(engine, server.url, nice=5)
+    try:
+        worker = sync._worker.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        assert worker.result() == min(19, base + 5)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the caller is untouched
+    finally:
+        sync.close()
+    with pytest.raises(ValueError, match="nice=25"):
+        EngineWeightSync(engine, server.url, nice=25)
+    with pytest.raises(ConfigError, match="follow_nice"):
+        load_config(overrides=["weights.follow_nice=-1"])

@@ -4,15 +4,22 @@ Setup (all local processes, Ray actors): a store served over HTTP on 127.0.0.1 (
 relays whose upstream links are throttled to ``bandwidth_mbps`` each (the inter-region links), and
 ``engines`` built-in engines (each its own process, serving the model) spread round-robin over the relays.
 The versions are real: the model driven by the real ``Trainer`` (``tandem.bench.codec.tandem_train_versions``,
-learning rate ``lr``), published as bf16 like ``tandem train`` does. The default lr (2e-6) puts this small
-model in the regime of production RL, where about one to two percent of bf16 weights change per step
-(``density`` reports the measured fraction); the default training run's lr (1e-4) changes far more of them.
+learning rate ``lr``), published as bf16 like ``tandem train`` does.
+
+Model sizes (``size``): ``100m`` (the default) is a random-init Qwen3 of about 100M parameters (200 MB of
+bf16) with the shipped model's tokenizer, built at the start of the run; ``default`` is the shipped base
+model itself (5.8M parameters, 11.5 MB of bf16), on which a sync is dominated by fixed per-sync costs rather
+than by bytes on the link. The default lr of each size (``DEFAULT_LR``) puts it in the regime of production
+RL, where about one to two percent of bf16 weights change per step (``density`` reports the measured
+fraction); the default training run's lr (1e-4) changes far more of them.
 
 Measured, in order:
 1. Every engine loads version 0 (a full snapshot) through its relay.
 2. ``delta_s``: ``deltas`` times, a new version is published as a delta; the time from the start of publish
    to every engine serving it (fetch through the relay, decode, verify, patch). The mean is reported;
-   ``pause_ms`` is the largest engine pause of a patch.
+   ``pause_ms`` is the largest engine pause of a patch. ``breakdown`` splits it: the publish (encode, hash,
+   write), and per engine (mean over engines) the fetch, the decode with verification, the pause, and the
+   engine's whole sync.
 3. ``full_s``: the same newest version published as a full snapshot to a second store (no delta available,
    nothing cached at the relays); the time from publish to every engine serving it through a full reload;
    ``full_reload_ms`` is the largest engine pause of that reload.
@@ -23,6 +30,8 @@ Measured, in order:
 
 from __future__ import annotations
 
+import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +42,10 @@ import ray
 
 from tandem.core.config import EngineConfig
 from tandem.orchestrator.actors import RelayActor
+
+SIZES = ("100m", "default")
+DEFAULT_LR = {"100m": 1e-6, "default": 2e-6}
+"""Per-size learning rate of the trainer steps that make the versions (about 1-2% of bf16 weights change)."""
 
 
 @ray.remote(num_cpus=0)
@@ -90,7 +103,23 @@ class _BenchEngine:
 def _versions(model_path: str, deltas: int, lr: float, warmup: int) -> list[dict[str, np.ndarray]]:
     from tandem.bench.codec import tandem_train_versions
 
-    return tandem_train_versions(model_path, steps=deltas, warmup=warmup, lr=lr, threads=1)
+    return tandem_train_versions(model_path, steps=deltas, warmup=warmup, lr=lr, threads=2)
+
+
+def _model_dir(size: str, shipped: str, root: Path) -> str:
+    """The model directory for ``size``: the shipped model itself, or a random-init Qwen3 of that preset
+    (``tandem.model.build.SIZES``) written to ``root`` with the shipped model's tokenizer and chat format."""
+    if size == "default":
+        return shipped
+    from tandem.model import build_model, qwen3_config
+
+    vocab = json.loads((Path(shipped) / "config.json").read_text())["vocab_size"]
+    out = root / f"model-{size}"
+    build_model(qwen3_config(size, vocab_size=vocab), seed=0).save_pretrained(out)
+    for f in Path(shipped).iterdir():
+        if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("chat_template.jinja",)):
+            shutil.copy2(f, out / f.name)
+    return str(out)
 
 
 def run_sync_bench(
@@ -99,17 +128,23 @@ def run_sync_bench(
     engines: int = 4,
     bandwidth_mbps: float = 100.0,
     deltas: int = 3,
-    lr: float = 2e-6,
+    lr: float | None = None,
     warmup: int = 3,
+    size: str = "100m",
 ) -> dict[str, Any]:
-    """Run the benchmark of the module docstring; returns its JSON object."""
+    """Run the benchmark of the module docstring; returns its JSON object. ``model_path`` is the shipped
+    model (``size="default"`` serves it; other sizes take its tokenizer)."""
     from tandem.weights import WeightStore, serve_store
     from tandem.weights.publish import WeightPublisher
 
     if relays < 1 or engines < 1 or deltas < 1 or bandwidth_mbps <= 0:
         raise ValueError("relays, engines and deltas must be >= 1 and bandwidth_mbps > 0")
-    versions = _versions(model_path, deltas, lr, warmup)
+    if size not in SIZES:
+        raise ValueError(f"size {size!r} is not one of {list(SIZES)}")
+    lr = DEFAULT_LR[size] if lr is None else lr
     root = Path(tempfile.mkdtemp(prefix="tandem-bench-sync-"))
+    model_path = _model_dir(size, model_path, root)
+    versions = _versions(model_path, deltas, lr, warmup)
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     store = WeightStore.open(root / "store", create=True, snapshot_every=10_000)
@@ -136,11 +171,16 @@ def run_sync_bench(
         time.sleep(1.0)  # the load reaches a steady state
         delta_times, pauses, delta_bytes, busy = [], [], [], 0.0
         tokens_during = 0
+        publish_s: list[float] = []
+        parts: dict[str, list[float]] = {"fetch_s": [], "decode_s": [], "pause_s": [], "total_s": []}
         for v in range(1, deltas + 1):
             t0 = time.time()
             tok0 = ray.get(eng[0].tokens.remote())
             report = publisher.publish(v, versions[v])
+            publish_s.append(time.time() - t0)
             results = ray.get([e.sync.remote(v) for e in eng])
+            for key in parts:
+                parts[key].append(float(np.mean([r[key] for r in results])))
             tok1 = ray.get(eng[0].tokens.remote())
             delta_times.append(max(r["done_at"] for r in results) - t0)
             pauses.append(max(r["pause_s"] for r in results))
@@ -173,6 +213,8 @@ def run_sync_bench(
             for a, b in zip(versions[:-1], versions[1:], strict=True)
         ]
         out = {
+            "size": size,
+            "model_params": int(sum(t.size for t in versions[-1].values())),
             "bandwidth_mbps": bandwidth_mbps,
             "relays": relays,
             "engines": engines,
@@ -191,6 +233,10 @@ def run_sync_bench(
             "tokens_per_s_during_sync": round(during_rate, 1),
             "tokens_per_s_during_sync_ratio": round(during_rate / max(quiet_rate, 1e-9), 3),
         }
+        out["breakdown"] = {  # means over the delta syncs (engine parts: mean over engines)
+            "publish_s": round(float(np.mean(publish_s)), 4),
+            **{f"engine_{k}": round(float(np.mean(v)), 4) for k, v in parts.items()},
+        }
         out["targets"] = {
             "speedup>=20": out["speedup"] >= 20,
             "delta_s<=1.25*bound_s+1": delta_s <= 1.25 * bound_s + 1,
@@ -208,3 +254,4 @@ def run_sync_bench(
             s.close()
         store.close()
         full_store.close()
+        shutil.rmtree(root, ignore_errors=True)

@@ -270,7 +270,13 @@ def bench_sync(
     engines: Annotated[int, typer.Option(help="Engine processes, spread over the relays.")] = 4,
     bandwidth_mbps: Annotated[float, typer.Option(help="Each relay's upstream link, Mbit/s.")] = 100.0,
     deltas: Annotated[int, typer.Option(help="Delta versions to publish and time.")] = 3,
-    lr: Annotated[float, typer.Option(help="Learning rate of the real trainer steps.")] = 2e-6,
+    lr: Annotated[
+        float | None, typer.Option(help="Learning rate of the real trainer steps (default: per size).")
+    ] = None,
+    size: Annotated[
+        str,
+        typer.Option(help="100m: random-init 100M-param Qwen3 with --model's tokenizer; default: --model"),
+    ] = "100m",
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Publish -> relays -> engines: time to serve a new version as a delta vs as a full checkpoint."""
@@ -279,7 +285,7 @@ def bench_sync(
     from tandem.bench.sync import run_sync_bench
 
     try:
-        out = run_sync_bench(path, relays, engines, bandwidth_mbps, deltas, lr)
+        out = run_sync_bench(path, relays, engines, bandwidth_mbps, deltas, lr, size=size)
     except ValueError as e:
         fail(str(e))
     typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))

@@ -429,6 +429,9 @@ class WeightsConfig(Section):
     """Threads for encoding (trainer) and decoding (engines) deltas."""
     connections: int = 4
     """Parallel HTTP connections an engine uses to download a version's blobs."""
+    follow_nice: int = Field(10, ge=0, le=19)
+    """Niceness of an engine's weight-sync thread (download, decode, verify) relative to its process, so
+    that on a shared machine serving keeps the CPU while the next version is prepared. 0: same priority."""
     relays: int = 0
     """Relays between the store server and the engines (one per region in production; local processes
     here). 0: engines fetch from the store server directly."""

@@ -60,7 +60,7 @@ from tandem.core.generation import Completion, GenerationRequest
 from tandem.engine.checks import check_request, convert_patches, convert_tensors
 from tandem.engine.front import Pending, RequestFront, error_completion, notify, resolve
 from tandem.engine.prefix import PrefixCache
-from tandem.engine.runner import FastRunner, HFRunner, Write, apply_writes, fast_supported
+from tandem.engine.runner import FastRunner, HFRunner, Write, apply_writes, fast_supported, warm_apply_writes
 from tandem.engine.sampling import UniformStream, sample_top
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -143,6 +143,7 @@ class BuiltinEngine(RequestFront):
                 self._runner = runner_cls(self.model, n_slots, config.max_seq_len)
         self._prefix = PrefixCache(self._runner, n_slots, config.max_parked)
         self._targets = dict(self.model.state_dict(keep_vars=True))
+        warm_apply_writes({t.dtype for t in self._targets.values()})
         self._work = threading.Lock()  # held while the model or the cache is used
         self._updates: list[_Update] = []
         self._init_front([])  # _active: list of _Session, index == slot

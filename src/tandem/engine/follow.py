@@ -1,9 +1,12 @@
 """Keep a built-in engine on the newest verified version of a weight store (the delta path).
 
 Invariants:
-- Downloading and decoding happen in the caller's thread while the engine keeps serving; the engine pauses
-  only inside ``patch_weights`` (changed elements) or, after a snapshot recovery or at the first sync,
-  ``update_weights`` (a full reload).
+- Downloading, decoding and verifying happen on the follower's own worker thread while the engine keeps
+  serving; the engine pauses only inside ``patch_weights`` (changed elements) or, after a snapshot recovery
+  or at the first sync, ``update_weights`` (a full reload). The worker thread, and the download and decode
+  threads it starts, run ``nice`` levels below the process (Linux thread niceness), so on a busy machine
+  serving keeps the CPU and the sync takes what is left; the pause itself runs on the engine's loop thread
+  at normal priority.
 - The engine is only ever given weights the follower verified against the store's recorded hash
   (``tandem.weights.follow``); if verification and the snapshot recovery both fail, the engine keeps its
   current version and the error propagates.
@@ -13,9 +16,11 @@ Invariants:
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -29,11 +34,19 @@ class EngineWeightSync:
     """Follows a weight store (through servers or relays at ``urls``) for one engine."""
 
     def __init__(
-        self, engine: BuiltinEngine, urls: str | Sequence[str], connections: int = 4, threads: int = 1
+        self,
+        engine: BuiltinEngine,
+        urls: str | Sequence[str],
+        connections: int = 4,
+        threads: int = 1,
+        nice: int = 10,
     ) -> None:
+        if not 0 <= nice <= 19:
+            raise ValueError(f"nice={nice} must be in [0, 19] (0: the sync runs at the process's priority)")
         self.engine = engine
         self.follower = WeightFollower(WeightClient(urls, parallel=connections), threads=threads)
         self._lock = threading.Lock()  # one sync at a time; a later call catches up to its own target
+        self._worker = ThreadPoolExecutor(1, "weight-sync", initializer=_lower_priority, initargs=(nice,))
         self.stats: dict[str, float] = {
             "syncs": 0, "full_reloads": 0, "pause_s_total": 0.0, "pause_s_last": 0.0,
             "full_reload_s_last": 0.0, "fetch_s_total": 0.0, "decode_s_total": 0.0,
@@ -45,7 +58,14 @@ class EngineWeightSync:
         return int(self.follower.stats["recoveries"])
 
     def sync(self, target: int | None = None) -> dict[str, Any]:
-        """Bring the engine to ``target`` (latest if None); returns what this sync did."""
+        """Bring the engine to ``target`` (latest if None); returns what this sync did. Blocks the caller
+        until done; the work runs on the follower's lower-priority worker thread."""
+        return self._worker.submit(self._sync, target).result()
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    def _sync(self, target: int | None) -> dict[str, Any]:
         with self._lock:
             if target is not None and self.engine.version >= target and self.follower.version is not None:
                 return {"version": self.engine.version, "pause_s": 0.0, "skipped": True}
@@ -85,3 +105,15 @@ class EngineWeightSync:
                 "patched_elements": patched,
                 "total_s": time.perf_counter() - t0,
             }
+
+
+def _lower_priority(nice: int) -> None:
+    """Make the calling thread ``nice`` levels less favoured than the process (threads it starts inherit).
+    Linux applies ``setpriority`` to a single thread when given its thread id; elsewhere this does nothing."""
+    if nice <= 0 or not hasattr(threading, "get_native_id"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice))
+    except OSError:  # not permitted here: keep the process's priority
+        pass

@@ -77,10 +77,43 @@ class Write:
     values: torch.Tensor
 
 
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def warm_apply_writes(dtypes: set[torch.dtype]) -> None:
+    """Compile (or load from numba's cache) the scatter for these parameter dtypes now, so that the first
+    delta update does not pay the compilation (about 1.5 s) inside the engine's pause."""
+    with torch.inference_mode():
+        for dt in dtypes:
+            flat = torch.zeros(2, dtype=dt)
+            apply_writes([Write(flat, torch.tensor([1]), flat[:1].clone())])
+
+
 def apply_writes(writes: list[Write]) -> None:
-    """Scatter planned writes (call under ``torch.inference_mode``: derived buffers are inference tensors)."""
+    """Scatter planned writes (call under ``torch.inference_mode``: derived buffers are inference tensors).
+
+    CPU tensors go through a compiled scatter loop on integer views of the same memory (bit-exact for any
+    dtype): about 2x faster than ``index_copy_`` at the few-percent densities of RL weight deltas, and this
+    scatter is the whole engine pause of a delta update. Other devices use ``index_copy_``."""
+    from tandem.weights.decode_kernels import scatter
+
     for w in writes:
-        w.flat.index_copy_(0, w.index, w.values)
+        size = w.flat.element_size()
+        if w.flat.device.type == "cpu" and size in _INT_VIEW and w.values.dtype == w.flat.dtype:
+            view = _INT_VIEW[size]
+            scatter(w.flat.view(view).numpy(), w.index.numpy(), w.values.contiguous().view(view).numpy())
+        else:
+            w.flat.index_copy_(0, w.index, w.values)
+
+
+def _transposed(flat_index: torch.Tensor, in_dim: int, stride: int, offset: int) -> torch.Tensor:
+    """Positions in a transposed buffer (``W[o, i]`` at ``i * stride + offset + o``) of W's flat indices."""
+    from tandem.weights.decode_kernels import transposed_positions
+
+    idx = flat_index.contiguous().numpy()
+    out = np.empty_like(idx)
+    transposed_positions(idx, in_dim, stride, offset, out)
+    return torch.from_numpy(out)
 
 
 def _mm(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -227,9 +260,8 @@ class FastRunner:
                 rows, cols = rest // in_dim, rest % in_dim
                 writes.append(Write(buf.view(-1), (e * in_dim + cols) * out_dim + rows, values))
             else:
-                in_dim = param.shape[1]
-                rows, cols = flat_index // in_dim, flat_index % in_dim
-                writes.append(Write(buf.view(-1), cols * buf.shape[1] + off + rows, values))
+                pos = _transposed(flat_index, param.shape[1], buf.shape[1], off)
+                writes.append(Write(buf.view(-1), pos, values))
         return writes
 
     # ---- building blocks -------------------------------------------------------------------------

@@ -63,7 +63,9 @@ class EngineActor:
             from tandem.engine.follow import EngineWeightSync
 
             w = cfg.weights
-            self.weight_sync = EngineWeightSync(self.engine, weight_urls, w.connections, w.codec_threads)
+            self.weight_sync = EngineWeightSync(
+                self.engine, weight_urls, w.connections, w.codec_threads, w.follow_nice
+            )
 
     async def follow(self, version: int) -> dict[str, Any]:
         """Fetch, verify and apply ``version`` from the weight store while serving (delta path)."""

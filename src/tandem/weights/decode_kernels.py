@@ -120,8 +120,18 @@ def new_values(p: np.ndarray, idx: np.ndarray, z: np.ndarray, sign: int, mask: i
 
 @njit(**NJIT)
 def scatter(flat: np.ndarray, idx: np.ndarray, values: np.ndarray) -> None:
+    """``flat[idx] = values`` (positions are trusted: callers validated them)."""
     for k in range(idx.shape[0]):
         flat[idx[k]] = values[k]
+
+
+@njit(**NJIT)
+def transposed_positions(idx: np.ndarray, in_dim: int, stride: int, offset: int, out: np.ndarray) -> None:
+    """Where flat positions of a row-major ``W[out, in]`` sit in a buffer holding it transposed from column
+    ``offset`` on: ``W[o, i]`` is at ``i * stride + offset + o``."""
+    for k in range(idx.shape[0]):
+        o = idx[k] // in_dim
+        out[k] = (idx[k] - o * in_dim) * stride + offset + o
 
 
 @njit(**NJIT)
