@@ -307,3 +307,48 @@ def test_a_damaged_manifest_is_reported_not_trusted(tmp_path):
         WeightStore.open(tmp_path / "s").manifest(0)
     with pytest.raises(ManifestError, match=r"version must be an integer in \[0, 100000000\)"):
         store.publish(10**8, None, "full", "h", {"w": b"x"})
+
+
+def test_packed_publish_shares_blobs_and_reads_back_each_entry(tmp_path):
+    from tandem.weights.store import PACK_BELOW, PACK_TARGET
+
+    root = tmp_path / "s"
+    store = WeightStore.open(root, create=True)
+    small = rand_blobs(0, {f"n{i:03d}": 300_000 + i for i in range(20)})  # 6 MB of small entries
+    big = rand_blobs(1, {"emb": PACK_BELOW + 7})
+    m = store.publish(0, None, "full", "h", {**small, **big}, pack=True)
+    keys = m.keys()
+    assert len(keys) == 3  # the large entry alone, the small ones in two packs of <= PACK_TARGET + one entry
+    assert m.blobs["emb"].length is None and m.blobs["emb"].key == sha(big["emb"])
+    packs = {m.blobs[n].key for n in small}
+    assert len(packs) == 2 and all(len(store.blob(k)) <= PACK_TARGET + 300_020 for k in packs)
+    assert m.nbytes == sum(len(b) for b in {**small, **big}.values())  # each stored blob counted once
+    assert WeightStore.open(root).blobs(m.blobs) == {**small, **big}
+    raw = json.loads((root / "manifests" / "v00000000.json").read_text())
+    assert raw["format"] == 2 and raw["blobs"]["n001"]["offset"] == 300_000 and raw["blobs"]["n001"]["length"]
+    # A corrupt pack is refused for every entry in it.
+    key = m.blobs["n000"].key
+    data = bytearray((root / "blobs" / key).read_bytes())
+    data[5] ^= 0x01
+    (root / "blobs" / key).write_bytes(bytes(data))
+    with pytest.raises(CorruptBlobError, match=key[:16]):
+        WeightStore.open(root).blobs({"n003": m.blobs["n003"]})
+
+
+def test_a_slice_outside_its_blob_or_an_unknown_format_is_refused(tmp_path):
+    store = WeightStore.open(tmp_path / "s", create=True)
+    store.publish(0, None, "full", "h0", {"a": b"abc", "b": b"defg"}, pack=True)
+    path = tmp_path / "s" / "manifests" / "v00000000.json"
+    raw = json.loads(path.read_text())
+    raw["blobs"]["b"]["length"] = 99
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ManifestError, match=r"blob 'b' .*offset \+ length within size"):
+        WeightStore.open(tmp_path / "s").manifest(0)
+    raw["blobs"]["b"]["length"], raw["format"] = 4, 3
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ManifestError, match=r"format 3; this tandem reads formats \[1, 2\]"):
+        WeightStore.open(tmp_path / "s").manifest(0)
+    raw["format"] = 1  # an older manifest without slices still reads
+    del raw["blobs"]["a"]["offset"], raw["blobs"]["a"]["length"], raw["blobs"]["b"]
+    path.write_text(json.dumps(raw))
+    assert WeightStore.open(tmp_path / "s").manifest(0).blobs["a"].length is None

@@ -8,8 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from tandem.core.config import EngineConfig
-from tandem.engine.builtin import BuiltinEngine
-from tandem.engine.sampling import sample
+from tandem.core.lazy import lazy_exports
+
+__getattr__ = lazy_exports(
+    __name__, {"BuiltinEngine": "tandem.engine.builtin", "sample": "tandem.engine.sampling"}
+)  # imported on first use: the gateway's config and the CLI import this package without torch
 
 __all__ = ["BuiltinEngine", "create_engine", "sample"]
 
@@ -33,4 +36,6 @@ def create_engine(
         from tandem.engine.vllm import VllmEngine
 
         return VllmEngine.from_path(path, config, dtype=dtype, seed=seed)
+    from tandem.engine.builtin import BuiltinEngine
+
     return BuiltinEngine.from_path(path, config, dtype=dtype, seed=seed, deterministic=deterministic)

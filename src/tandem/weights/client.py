@@ -40,7 +40,7 @@ from tandem.weights.errors import (
     VersionNotFoundError,
 )
 from tandem.weights.httpconn import ConnectionPool, Source, parse_source
-from tandem.weights.manifest import BlobRef, Manifest, PlanStep, plan
+from tandem.weights.manifest import BlobRef, Manifest, PlanStep, blob_sizes, plan, slice_blobs
 from tandem.weights.ratelimit import TokenBucket
 
 PREFIX = "/v1/weights"
@@ -230,15 +230,14 @@ class WeightClient:
         return self.fetch_keys({key: size})[key]
 
     def download(self, refs: Mapping[str, BlobRef]) -> dict[str, bytes]:
-        """Verified bytes of each named blob, fetched in parallel."""
-        data = self.fetch_keys({ref.key: ref.size for ref in refs.values()})
-        return {name: data[ref.key] for name, ref in refs.items()}
+        """Verified bytes of each named entry (every stored blob fetched once, in parallel; packs sliced)."""
+        return slice_blobs(refs, self.fetch_keys(blob_sizes(refs.values())))
 
     def fetch(self, from_version: int | None, to_version: int | None = None) -> list[FetchedStep]:
         """Plan the cheapest way to ``to_version`` and download every step's blobs in one parallel batch."""
         steps = self.plan(from_version, to_version)
-        data = self.fetch_keys({ref.key: ref.size for step in steps for ref in step.blobs.values()})
-        return [FetchedStep(s, {n: data[r.key] for n, r in s.blobs.items()}) for s in steps]
+        data = self.fetch_keys(blob_sizes(ref for step in steps for ref in step.blobs.values()))
+        return [FetchedStep(s, slice_blobs(s.blobs, data)) for s in steps]
 
     def fetch_keys(self, sizes: Mapping[str, int]) -> dict[str, bytes]:
         """Verified bytes per blob address, given each blob's size (cache first, then the sources)."""

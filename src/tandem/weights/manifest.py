@@ -2,12 +2,16 @@
 
 A manifest describes one published version: its ``parent``, its ``kind`` (``full``: the blobs alone rebuild
 the weights; ``delta``: the blobs turn the parent's weights into this version's), the version's
-``weights_hash``, and its blobs ``{name: {key, size, sha256}}`` where ``key`` is the content address
-(= sha256 hex of the bytes). A ``full`` manifest may also carry ``delta_blobs`` (a delta from ``parent``) so
-the delta chain continues across snapshot versions.
+``weights_hash``, and its blobs ``{name: {key, size, sha256[, offset, length]}}`` where ``key`` is the content
+address (= sha256 hex of the bytes) of a stored blob of ``size`` bytes. With ``offset``/``length`` the entry
+is a slice of a *pack*: small per-tensor blobs are concatenated into packs of a few MB at publish time, so a
+reader fetches a version in a few requests instead of one per tensor (``slice_blobs`` cuts them out again).
+A ``full`` manifest may also carry ``delta_blobs`` (a delta from ``parent``) so the delta chain continues
+across snapshot versions.
 
 Invariants: ``parent < version``; a ``delta`` manifest always has a parent; every blob key is 64 lowercase
-hex digits equal to its sha256; manifests are immutable once published. ``plan`` returns the cheaper (by
+hex digits equal to its sha256; a slice lies inside its blob; byte counts (``nbytes``) count each stored
+blob once; manifests are immutable once published. ``plan`` returns the cheaper (by
 total blob bytes) of the delta chain from the reader's version or the nearest full snapshot at or below the
 target plus the chain after it; a reader with no weights always gets the snapshot path.
 """
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +30,9 @@ FULL, DELTA = "full", "delta"
 KINDS = (FULL, DELTA)
 DEFAULT_SNAPSHOT_EVERY = 20
 """Default K: a full snapshot every K versions bounds the delta chain a new reader must apply."""
-FORMAT = 1
+FORMAT = 2
+READABLE_FORMATS = (1, 2)
+"""Format 2 added packed entries (``offset``/``length``); format-1 manifests read unchanged."""
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -43,22 +49,53 @@ def is_sha256(text: str) -> bool:
 
 @dataclass(frozen=True)
 class BlobRef:
+    """A stored blob (``key``, ``size``, ``sha256``), or with ``length`` set the slice
+    ``[offset, offset + length)`` of one (an entry of a pack)."""
+
     key: str
     size: int
     sha256: str
+    offset: int = 0
+    length: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "size": self.size, "sha256": self.sha256}
+        out: dict[str, Any] = {"key": self.key, "size": self.size, "sha256": self.sha256}
+        if self.length is not None:
+            out["offset"], out["length"] = self.offset, self.length
+        return out
 
     @classmethod
     def from_json(cls, name: str, raw: Any, where: str) -> BlobRef:
-        ok = isinstance(raw, dict) and isinstance(raw.get("size"), int) and raw["size"] >= 0
+        ok = isinstance(raw, dict) and _count(raw.get("size"))
         ok = ok and is_sha256(str(raw.get("key", ""))) and raw.get("sha256") == raw.get("key")
+        length = raw.get("length") if isinstance(raw, dict) else None
+        offset = raw.get("offset", 0) if isinstance(raw, dict) else 0
+        if ok and length is not None:
+            ok = _count(length) and _count(offset) and offset + length <= raw["size"]
         if not ok:
             raise ManifestError(
-                f"manifest {where}: blob {name!r} entry {raw!r} is invalid (need key == sha256)"
+                f"manifest {where}: blob {name!r} entry {raw!r} is invalid (need key == sha256, and a slice "
+                "offset + length within size)"
             )
-        return cls(raw["key"], raw["size"], raw["sha256"])
+        return cls(raw["key"], raw["size"], raw["sha256"], offset if length is not None else 0, length)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def blob_sizes(refs: Iterable[BlobRef]) -> dict[str, int]:
+    """Each distinct stored blob the refs point into, with its size (what to download)."""
+    return {ref.key: ref.size for ref in refs}
+
+
+def slice_blobs(refs: Mapping[str, BlobRef], data: Mapping[str, bytes]) -> dict[str, bytes]:
+    """Each named entry's bytes, given the bytes of every stored blob by key (a pack entry is cut out)."""
+    out: dict[str, bytes] = {}
+    for name, ref in refs.items():
+        blob = data[ref.key]
+        out[name] = blob if ref.length is None else blob[ref.offset : ref.offset + ref.length]
+    return out
 
 
 def _blobs_json(blobs: dict[str, BlobRef]) -> dict[str, Any]:
@@ -100,7 +137,7 @@ class Manifest:
 
     @property
     def nbytes(self) -> int:
-        return sum(ref.size for ref in self.blobs.values())
+        return sum(blob_sizes(self.blobs.values()).values())
 
     def keys(self) -> set[str]:
         refs = list(self.blobs.values()) + list((self.delta_blobs or {}).values())
@@ -132,9 +169,10 @@ class Manifest:
             raise ManifestError(f"manifest {where} is not valid JSON ({e}); it may be truncated") from e
         if not isinstance(raw, dict):
             raise ManifestError(f"manifest {where} must be a JSON object")
-        if raw.get("format", FORMAT) != FORMAT:
+        if raw.get("format", FORMAT) not in READABLE_FORMATS:
             raise ManifestError(
-                f"manifest {where} has format {raw.get('format')!r}; this tandem reads format {FORMAT}"
+                f"manifest {where} has format {raw.get('format')!r}; this tandem reads formats "
+                f"{list(READABLE_FORMATS)}: upgrade tandem to read it"
             )
         try:
             return cls(
@@ -171,7 +209,7 @@ class PlanStep:
 
     @property
     def nbytes(self) -> int:
-        return sum(ref.size for ref in self.blobs.values())
+        return sum(blob_sizes(self.blobs.values()).values())
 
 
 def plan_nbytes(steps: list[PlanStep]) -> int:

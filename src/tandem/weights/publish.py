@@ -105,6 +105,7 @@ class WeightPublisher:
             blobs,
             meta=meta,
             delta_blobs=delta_blobs if full else None,
+            pack=True,
         )
         self._prev, self._prev_version, self._prev_hash = tensors, version, weights_hash
         oldest_reader = max(0, version - self.keep_versions + 1)

@@ -6,6 +6,10 @@ Layout (over any ``BlobBackend``): ``store.json`` (marks the store, records the 
 Invariants:
 - Blobs are opaque bytes, addressed by their sha256; ``blob()`` returns bytes only after checking that hash
   (``CorruptBlobError`` otherwise, which also catches truncation).
+- ``publish(..., pack=True)`` (what ``WeightPublisher`` does) packs the small entries of a version (each
+  under ``PACK_BELOW`` bytes, in name order) into blobs of up to ``PACK_TARGET`` bytes; the manifest
+  records each entry's slice (``manifest.slice_blobs``). A version of a 145-tensor model is then a handful
+  of requests instead of 145 (about 1.5 ms each here).
 - ``publish`` writes every blob first and the manifest last, with one atomic create-if-absent: a crash or a
   full disk mid-publish leaves the version invisible (orphan blobs are removed by ``gc``), and a published
   version is never overwritten. Versions are strictly increasing; a delta's parent must be published.
@@ -44,9 +48,11 @@ from tandem.weights.manifest import (
     BlobRef,
     Manifest,
     PlanStep,
+    blob_sizes,
     is_sha256,
     plan,
     should_snapshot,
+    slice_blobs,
     snapshot_path,
 )
 
@@ -56,6 +62,10 @@ MANIFEST_PREFIX = "manifests/"
 BLOB_PREFIX = "blobs/"
 _STORE_FORMAT = "tandem-weights-store"
 MAX_VERSION = 10**8  # manifest names hold 8 digits
+PACK_BELOW = 1 << 20
+"""Entries smaller than this are packed with others into one blob."""
+PACK_TARGET = 4 << 20
+"""A pack is closed once it holds this many bytes (larger blobs still fetch in parallel ranges)."""
 
 
 def manifest_key(version: int) -> str:
@@ -205,7 +215,8 @@ class WeightStore:
         return size
 
     def blobs(self, refs: Mapping[str, BlobRef]) -> dict[str, bytes]:
-        return {name: self.blob(ref.key) for name, ref in refs.items()}
+        """Each entry's verified bytes (each stored blob read once, pack entries cut out)."""
+        return slice_blobs(refs, {key: self.blob(key) for key in blob_sizes(refs.values())})
 
     def plan(self, from_version: int | None, to_version: int | None = None) -> list[PlanStep]:
         """Cheapest steps from ``from_version`` (None: no weights) to ``to_version`` (default: latest)."""
@@ -245,14 +256,16 @@ class WeightStore:
         blobs: Mapping[str, bytes],
         meta: dict[str, Any] | None = None,
         delta_blobs: Mapping[str, bytes] | None = None,
+        pack: bool = False,
     ) -> Manifest:
-        """Publish one version (blobs first, manifest last); ``delta_blobs`` only with ``kind="full"``."""
+        """Publish one version (blobs first, manifest last); ``delta_blobs`` only with ``kind="full"``;
+        ``pack``: small entries share stored blobs (module docstring)."""
         _check_publish_args(version, kind, weights_hash, blobs, meta)
         with self._write_mutex:
             self.acquire_writer()
             self._check_order(version, parent, kind, delta_blobs)
-            refs = self._put_blobs(blobs)
-            delta_refs = None if delta_blobs is None else self._put_blobs(delta_blobs)
+            refs = self._put_blobs(blobs, pack)
+            delta_refs = None if delta_blobs is None else self._put_blobs(delta_blobs, pack)
             manifest = Manifest(
                 version, parent, kind, weights_hash, refs, time.time(), meta or {}, delta_refs
             )
@@ -285,14 +298,25 @@ class WeightStore:
             except VersionNotFoundError as e:
                 raise ManifestError(f"version {version} is a delta on parent {parent}, but: {e}") from None
 
-    def _put_blobs(self, blobs: Mapping[str, bytes]) -> dict[str, BlobRef]:
-        items = list(blobs.items())
-        if len(items) > 1:
-            with ThreadPoolExecutor(max_workers=min(4, len(items))) as pool:
-                refs = list(pool.map(lambda item: self._put_blob(item[1]), items))
+    def _put_blobs(self, blobs: Mapping[str, bytes], pack: bool) -> dict[str, BlobRef]:
+        """Store every entry (small ones packed if ``pack``: module docstring); return their references."""
+        groups = _pack_groups(blobs) if pack else [[name] for name in blobs]
+        if len(groups) > 1:
+            with ThreadPoolExecutor(max_workers=min(4, len(groups))) as pool:
+                stored = list(pool.map(lambda g: self._put_blob(b"".join(blobs[n] for n in g)), groups))
         else:
-            refs = [self._put_blob(data) for _, data in items]
-        return {name: ref for (name, _), ref in zip(items, refs, strict=True)}
+            stored = [self._put_blob(b"".join(blobs[n] for n in g)) for g in groups]
+        refs: dict[str, BlobRef] = {}
+        for names, blob in zip(groups, stored, strict=True):
+            if len(names) == 1 and (not pack or len(blobs[names[0]]) >= PACK_BELOW):
+                refs[names[0]] = blob
+                continue
+            offset = 0
+            for name in names:
+                n = len(blobs[name])
+                refs[name] = BlobRef(blob.key, blob.size, blob.sha256, offset, n)
+                offset += n
+        return refs
 
     def _put_blob(self, data: bytes) -> BlobRef:
         data = bytes(data)
@@ -389,3 +413,24 @@ def _check_publish_args(
         json.dumps(meta or {})
     except (TypeError, ValueError) as e:
         raise ManifestError(f"version {version}: meta must be JSON-serializable ({e})") from e
+
+
+def _pack_groups(blobs: Mapping[str, bytes]) -> list[list[str]]:
+    """Entry names grouped into stored blobs: each large entry alone; small ones, in name order, into packs
+    of up to ``PACK_TARGET`` bytes."""
+    groups: list[list[str]] = []
+    pack: list[str] = []
+    filled = 0
+    for name in sorted(blobs):
+        n = len(blobs[name])
+        if n >= PACK_BELOW:
+            groups.append([name])
+            continue
+        pack.append(name)
+        filled += n
+        if filled >= PACK_TARGET:
+            groups.append(pack)
+            pack, filled = [], 0
+    if pack:
+        groups.append(pack)
+    return groups

@@ -9,10 +9,19 @@ Invariant (the reason this exists): the token ids a session records are the ones
 produced; history sent back as text is matched against the record and never re-tokenized.
 """
 
-from tandem.engine.gateway.app import create_app
-from tandem.engine.gateway.config import GatewayConfig, is_loopback
-from tandem.engine.gateway.server import GatewayServer, bind_socket, run_forever
-from tandem.engine.gateway.sessions import Session, SessionStore
+from tandem.core.lazy import lazy_exports
+
+_WHERE = {
+    "create_app": "tandem.engine.gateway.app",
+    "GatewayConfig": "tandem.engine.gateway.config",
+    "is_loopback": "tandem.engine.gateway.config",
+    "GatewayServer": "tandem.engine.gateway.server",
+    "bind_socket": "tandem.engine.gateway.server",
+    "run_forever": "tandem.engine.gateway.server",
+    "Session": "tandem.engine.gateway.sessions",
+    "SessionStore": "tandem.engine.gateway.sessions",
+}
+__getattr__ = lazy_exports(__name__, _WHERE)  # `tandem serve --help` needs only the config
 
 __all__ = [
     "GatewayConfig",
