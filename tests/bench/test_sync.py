@@ -23,6 +23,10 @@ def test_bench_sync_prints_its_json_and_the_delta_is_far_smaller():
     assert 0 < out["density"] < 0.5
     assert 0 < out["delta_bytes"] * 10 < out["full_bytes"] < out["raw_bytes"]
     assert out["pause_ms"] > 0 and out["full_reload_ms"] > 0 and out["tokens_per_s_quiet"] > 0
+    parts = out["breakdown"]
+    engine_parts = {"engine_fetch_s", "engine_decode_s", "engine_pause_s", "engine_total_s"}
+    assert set(parts) == {"publish_s", *engine_parts}
+    assert 0 < parts["engine_pause_s"] < parts["engine_total_s"] <= out["delta_s"]
 
 
 def test_bench_sync_rejects_bad_counts():

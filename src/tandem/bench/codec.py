@@ -19,7 +19,7 @@ Workloads (each yields consecutive published versions, bf16 as uint16 bit patter
 Measurement: all throughputs are GB (1e9 bytes) of raw new-weight bytes per second, best of ``repeats`` wall
 times (a shared machine is noisy), after a warm-up that compiles every numba kernel. ``encode_gbps`` /
 ``decode_gbps`` / ``zstd1_encode_gbps`` run on one thread; ``*_threads{N}`` use N threads. Codec timings
-exclude the SHA-256 version hashes (the publisher knows them; ``hash_gbps`` reports their cost) and decode
+exclude the BLAKE3 version hashes (the publisher knows them; ``hash_gbps`` reports their cost) and decode
 timings write fresh arrays (allocation included). Baselines are compression ratios (raw new bytes /
 compressed bytes) on the same data, per tensor: zstd-3 of the new weights, zstd-3 of old XOR new, zstd-3 of
 int32 indices + new values of the changed elements, and ZipNN (PyPI) on the XOR delta. Sizes count the whole
