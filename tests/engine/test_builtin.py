@@ -22,6 +22,7 @@ from tandem.core.config import EngineConfig
 from tandem.core.errors import EngineError, ModelLoadError
 from tandem.core.generation import GenerationRequest, SamplingParams
 from tandem.engine import BuiltinEngine
+from tandem.engine.builtin import _Update
 from tandem.engine.runner import FastRunner, HFRunner
 
 V = 512
@@ -321,6 +322,61 @@ def test_patch_weights_equals_full_update(kind):
     finally:
         patched.stop()
         full.stop()
+
+
+def _random_patches(engine: BuiltinEngine, seed: int, frac: int = 30) -> dict:
+    g = np.random.default_rng(seed)
+    patches, seen = {}, set()
+    for name, t in engine.model.state_dict().items():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        idx = np.unique(g.integers(0, t.numel(), size=max(1, t.numel() // frac)))
+        patches[name] = (idx, g.normal(size=idx.size).astype(np.float32))
+    return patches
+
+
+def test_plan_defers_only_matrices_the_forward_does_not_read():
+    """The fast runner serves every matrix but the embedding from derived buffers: only writes to those
+    parameters may land after the pause; the embedding, norms and derived buffers are written in the pause,
+    and a transposed buffer's writes come in buffer order."""
+    engine = BuiltinEngine(make("qwen3"), EngineConfig(max_batch=2, max_seq_len=32))
+    runner = engine._runner
+    assert isinstance(runner, FastRunner)
+    for name, (idx, vals) in _random_patches(engine, 0, frac=10).items():
+        param = engine._targets[name]
+        writes = runner.plan_patch(param, torch.from_numpy(idx), torch.from_numpy(vals))
+        own = writes[0]
+        assert own.flat.data_ptr() == param.data_ptr()
+        assert own.deferred == (param.dim() == 2 and "embed_tokens" not in name), name
+        for w in writes[1:]:
+            assert not w.deferred
+            assert bool((w.index[1:] > w.index[:-1]).all()), f"{name}: derived writes out of buffer order"
+
+
+def test_later_full_update_applies_after_an_earlier_patches_deferred_writes():
+    """If the loop applies another update before a patch's caller wrote the deferred parameter elements,
+    it writes them first: a partial full update (which rebuilds derived buffers from the parameters) then
+    sees the patched values of the tensors it does not carry."""
+    a = BuiltinEngine(make("qwen3"), EngineConfig(max_batch=2, max_seq_len=32))
+    b = BuiltinEngine(make("qwen3"), EngineConfig(max_batch=2, max_seq_len=32))
+    patches = _random_patches(a, 1)
+    # a: the loop's half of patch_weights only (what runs before the caller's own flush)...
+    converted = {k: (torch.from_numpy(i), torch.from_numpy(v)) for k, (i, v) in patches.items()}
+    update = _Update(4, {}, converted, a._plan(converted), a._runner.generation)
+    a._apply(update)
+    assert update.error is None and a._deferred, "the patch left no deferred writes to test with"
+    # ...then a full update of one norm; b: the same two updates through the public API.
+    norm = "model.norm.weight"
+    ones = {norm: np.ones(tuple(a.model.state_dict()[norm].shape), np.float32)}
+    a.update_weights(5, ones)
+    b.patch_weights(4, patches)
+    b.update_weights(5, ones)
+    assert not a._deferred
+    for k, v in b.model.state_dict().items():
+        assert torch.equal(a.model.state_dict()[k], v), k
+    for mine, ref in zip(a._runner.wt, b._runner.wt, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(mine, ref, strict=True))
 
 
 def test_patch_weights_bad_input_changes_nothing(engine):

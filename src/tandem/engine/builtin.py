@@ -19,6 +19,10 @@ Invariants:
   clamped to ``max_seq_len`` (finish_reason "length" when the cache fills).
 - ``update_weights`` validates every name and shape before touching anything (EngineError, state unchanged),
   then the loop copies the tensors into the HF parameters in place and refreshes derived buffers.
+- ``patch_weights`` pauses serving only for the writes the forward reads (derived buffers, embedding, norms);
+  the writes the runner marks ``deferred`` (matrix parameters it serves from derived buffers) land after the
+  pause, in the caller's thread, before ``patch_weights`` returns. Deferred writes are applied in order and
+  always before the loop applies any later update (which may rebuild derived buffers from the parameters).
 - The engine never changes global torch settings (threads are the caller's job).
 - ``deterministic=True`` (the run's ``train.deterministic``): float32 and ``FastRunner`` only (else
   EngineError with the reason); every forward goes through ``tandem.model.deterministic``, so a token's
@@ -145,6 +149,8 @@ class BuiltinEngine(RequestFront):
         self._targets = dict(self.model.state_dict(keep_vars=True))
         warm_apply_writes({t.dtype for t in self._targets.values()})
         self._work = threading.Lock()  # held while the model or the cache is used
+        self._deferred: list[list[Write]] = []  # parameter writes of applied patches, oldest first
+        self._deferred_lock = threading.Lock()
         self._updates: list[_Update] = []
         self._init_front([])  # _active: list of _Session, index == slot
 
@@ -227,7 +233,17 @@ class BuiltinEngine(RequestFront):
         update.generation = self._runner.generation
         update.writes = self._plan(converted)
         self._run_update(update)
+        self._flush_deferred()  # off the serving path: the loop is already serving the new version
         return update.pause_s
+
+    def _flush_deferred(self) -> None:
+        """Apply the deferred parameter writes of applied patches, oldest first (any thread)."""
+        with self._deferred_lock:
+            pending, self._deferred = self._deferred, []
+            if pending:
+                with torch.inference_mode():
+                    for writes in pending:
+                        apply_writes(writes)
 
     def _plan(self, patches: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[Write]:
         plan = self._runner.plan_patch
@@ -266,6 +282,7 @@ class BuiltinEngine(RequestFront):
     def _apply(self, u: _Update) -> None:
         t0 = time.perf_counter()
         try:
+            self._flush_deferred()  # an earlier patch's parameter writes first: refresh() reads them
             with torch.no_grad():
                 for name, t in u.tensors.items():
                     self._targets[name].copy_(t)
@@ -275,8 +292,12 @@ class BuiltinEngine(RequestFront):
                 writes = u.writes
                 if u.generation != self._runner.generation:
                     writes = self._plan(u.patches)
+                served = [w for w in writes if not w.deferred]
                 with torch.inference_mode():  # the derived buffers are inference tensors
-                    apply_writes(writes)
+                    apply_writes(served)
+                if len(served) < len(writes):
+                    with self._deferred_lock:
+                        self._deferred.append([w for w in writes if w.deferred])
             self._version = u.version
         except Exception as e:  # noqa: BLE001 - reported to the caller
             u.error = EngineError(f"update_weights to version {u.version} failed: {e}")

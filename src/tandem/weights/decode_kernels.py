@@ -126,12 +126,24 @@ def scatter(flat: np.ndarray, idx: np.ndarray, values: np.ndarray) -> None:
 
 
 @njit(**NJIT)
-def transposed_positions(idx: np.ndarray, in_dim: int, stride: int, offset: int, out: np.ndarray) -> None:
-    """Where flat positions of a row-major ``W[out, in]`` sit in a buffer holding it transposed from column
-    ``offset`` on: ``W[o, i]`` is at ``i * stride + offset + o``."""
+def transposed_order(
+    idx: np.ndarray, in_dim: int, stride: int, offset: int, out_pos: np.ndarray, out_perm: np.ndarray
+) -> None:
+    """``transposed_positions`` listed in buffer order: ``out_pos`` ascending when ``idx`` is ascending,
+    and ``out_perm[k]`` the entry of ``idx`` whose position is ``out_pos[k]`` (a stable counting sort by
+    column, O(n + in_dim)). Scattering in this order writes the transposed buffer front to back."""
+    count = np.zeros(in_dim + 1, np.int64)
+    for k in range(idx.shape[0]):
+        count[idx[k] % in_dim + 1] += 1
+    for i in range(in_dim):
+        count[i + 1] += count[i]
     for k in range(idx.shape[0]):
         o = idx[k] // in_dim
-        out[k] = (idx[k] - o * in_dim) * stride + offset + o
+        i = idx[k] - o * in_dim
+        at = count[i]
+        count[i] = at + 1
+        out_pos[at] = i * stride + offset + o
+        out_perm[at] = k
 
 
 @njit(**NJIT)
