@@ -336,22 +336,77 @@ def _random_patches(engine: BuiltinEngine, seed: int, frac: int = 30) -> dict:
     return patches
 
 
-def test_plan_defers_only_matrices_the_forward_does_not_read():
-    """The fast runner serves every matrix but the embedding from derived buffers: only writes to those
-    parameters may land after the pause; the embedding, norms and derived buffers are written in the pause,
-    and a transposed buffer's writes come in buffer order."""
-    engine = BuiltinEngine(make("qwen3"), EngineConfig(max_batch=2, max_seq_len=32))
+@pytest.mark.parametrize("double_buffer", [False, True])
+def test_plan_defers_what_the_forward_does_not_read(double_buffer):
+    """In place (one bank), the fast runner reads every matrix but the embedding from derived buffers: only
+    writes to those parameters may land after the pause. Double-buffered, it reads no HF parameter at all,
+    and every served tensor has one write per bank. A transposed buffer's writes come in buffer order."""
+    cfg = EngineConfig(max_batch=2, max_seq_len=32, double_buffer_weights=double_buffer)
+    engine = BuiltinEngine(make("qwen3"), cfg)
     runner = engine._runner
-    assert isinstance(runner, FastRunner)
+    assert isinstance(runner, FastRunner) and runner.double_buffer == double_buffer
     for name, (idx, vals) in _random_patches(engine, 0, frac=10).items():
         param = engine._targets[name]
         writes = runner.plan_patch(param, torch.from_numpy(idx), torch.from_numpy(vals))
         own = writes[0]
-        assert own.flat.data_ptr() == param.data_ptr()
-        assert own.deferred == (param.dim() == 2 and "embed_tokens" not in name), name
+        assert own.flat.data_ptr() == param.data_ptr() and own.bank is None
+        in_place_unread = param.dim() == 2 and "embed_tokens" not in name
+        assert own.deferred == (double_buffer or in_place_unread), name
+        banks = sorted(w.bank for w in writes[1:])
+        per_bank = len(banks) // (2 if double_buffer else 1)
+        assert per_bank >= (1 if double_buffer or in_place_unread else 0), name
+        assert banks == ([0] * per_bank + [1] * per_bank if double_buffer else [0] * per_bank), name
         for w in writes[1:]:
             assert not w.deferred
             assert bool((w.index[1:] > w.index[:-1]).all()), f"{name}: derived writes out of buffer order"
+
+
+def test_double_buffered_patch_switches_banks_and_leaves_both_equal():
+    """A double-buffered patch is written to the idle bank, the pause switches to it, and the bank switched
+    away from is brought up to date afterwards: both banks, and the HF parameters, end equal to a full load
+    of the patched weights, and serving goes on from the other bank each time."""
+    cfg = EngineConfig(max_batch=2, max_seq_len=32)
+    patched, full = BuiltinEngine(make("qwen3"), cfg), BuiltinEngine(make("qwen3"), cfg)
+    runner = patched._runner
+    assert isinstance(runner, FastRunner) and runner.double_buffer
+    published = set(_random_patches(patched, 0))  # a tied tensor (lm_head) is published once
+    state = {
+        k: v.detach().reshape(-1).numpy().copy() for k, v in full.model.state_dict().items() if k in published
+    }
+    for version in (1, 2, 3, 4):
+        if version == 3:  # a full update of one tensor between patches: served at once, second bank after
+            norm = "model.norm.weight"
+            state[norm][:] = 1.0
+            patched.update_weights(version, {norm: state[norm].copy()})
+            assert runner.active == 0 and runner.banks == 2 and not patched._deferred
+            continue
+        before = runner.active
+        patches = _random_patches(patched, version)
+        patched.patch_weights(version, patches)
+        assert runner.active == 1 - before and not patched._deferred
+        for name, (idx, vals) in patches.items():
+            state[name][idx] = vals
+    full.update_weights(4, {k: v.reshape(tuple(full.model.state_dict()[k].shape)) for k, v in state.items()})
+    for k, v in full.model.state_dict().items():
+        assert torch.equal(patched.model.state_dict()[k], v), k
+    ref = full._runner._banks[0]
+    for bank in runner._banks:
+        for mine, want in zip(bank["wt"], ref["wt"], strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(mine, want, strict=True))
+        assert torch.equal(bank["head_t"], ref["head_t"]) and torch.equal(bank["embed"], ref["embed"])
+        assert torch.equal(bank["norm_w"], ref["norm_w"])
+        for mine, want in zip(bank["norms"], ref["norms"], strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(mine, want, strict=True) if x is not None)
+    for e in (patched, full):
+        e.start()
+    try:
+        p = prompts(2)
+        a = patched.generate([req(x, n=6) for x in p])
+        b = full.generate([req(x, n=6) for x in p])
+        assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    finally:
+        patched.stop()
+        full.stop()
 
 
 def test_later_full_update_applies_after_an_earlier_patches_deferred_writes():
@@ -366,6 +421,7 @@ def test_later_full_update_applies_after_an_earlier_patches_deferred_writes():
     update = _Update(4, {}, converted, a._plan(converted), a._runner.generation)
     a._apply(update)
     assert update.error is None and a._deferred, "the patch left no deferred writes to test with"
+    assert not b._deferred
     # ...then a full update of one norm; b: the same two updates through the public API.
     norm = "model.norm.weight"
     ones = {norm: np.ones(tuple(a.model.state_dict()[norm].shape), np.float32)}

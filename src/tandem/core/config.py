@@ -304,6 +304,11 @@ class EngineConfig(Section):
     gets this many extra slots beyond max_batch (memory x (max_batch+max_parked)/max_batch); LRU eviction."""
     threads: int = 1
     """Torch intra-op threads of each engine process."""
+    double_buffer_weights: bool = True
+    """Built-in engine, dense models on its fast forward: keep two copies of the weights the forward reads
+    and write a delta update into the idle copy while serving, so the update pauses serving only to switch
+    copies. Costs one more copy of those weights in memory. Off, or for models it does not apply to (served
+    by the HF forward, mixture-of-experts), the changed elements are written in place inside the pause."""
     num_engines: int = 1
     """Number of engine actors."""
     vllm_kv_cache_gib: int = Field(default=0, ge=0)

@@ -19,10 +19,15 @@ Invariants:
   clamped to ``max_seq_len`` (finish_reason "length" when the cache fills).
 - ``update_weights`` validates every name and shape before touching anything (EngineError, state unchanged),
   then the loop copies the tensors into the HF parameters in place and refreshes derived buffers.
-- ``patch_weights`` pauses serving only for the writes the forward reads (derived buffers, embedding, norms);
-  the writes the runner marks ``deferred`` (matrix parameters it serves from derived buffers) land after the
-  pause, in the caller's thread, before ``patch_weights`` returns. Deferred writes are applied in order and
-  always before the loop applies any later update (which may rebuild derived buffers from the parameters).
+- ``patch_weights`` pauses serving only for what the forward reads. With ``config.double_buffer_weights`` (a
+  dense model on ``FastRunner``) the caller writes the patch into the runner's idle bank while the loop
+  serves from the other, and the pause only switches banks; otherwise the pause writes the served buffers
+  (derived buffers, embedding, norms) in place. The remaining writes (HF parameters the forward does not
+  read, the bank just switched away from) land after the pause, in the caller's thread, before
+  ``patch_weights`` returns; they are applied in order and always before the loop applies any later update
+  (which may rebuild the served weights from the parameters). If a full update rebuilt the served weights
+  between planning and switching, the switch is refused and the patch is re-planned and written in the pause.
+  Concurrent ``patch_weights`` calls are serialized.
 - The engine never changes global torch settings (threads are the caller's job).
 - ``deterministic=True`` (the run's ``train.deterministic``): float32 and ``FastRunner`` only (else
   EngineError with the reason); every forward goes through ``tandem.model.deterministic``, so a token's
@@ -46,6 +51,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -97,6 +103,7 @@ class _Update:
     patches: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     writes: list[Write] = field(default_factory=list)  # ``patches`` planned against runner ``generation``
     generation: int = -1
+    swap_to: int | None = None  # the runner bank the caller already patched, to switch to in the pause
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     pause_s: float = 0.0
@@ -141,16 +148,23 @@ class BuiltinEngine(RequestFront):
         self.fallback_reason = reason
         with torch.inference_mode():
             n_slots = config.max_batch + config.max_parked
-            if deterministic:
-                self._runner = FastRunner(self.model, n_slots, config.max_seq_len, deterministic=True)
+            if runner_cls is FastRunner or deterministic:
+                self._runner: FastRunner | HFRunner = FastRunner(
+                    self.model,
+                    n_slots,
+                    config.max_seq_len,
+                    deterministic=deterministic,
+                    double_buffer=config.double_buffer_weights,
+                )
             else:
-                self._runner = runner_cls(self.model, n_slots, config.max_seq_len)
+                self._runner = HFRunner(self.model, n_slots, config.max_seq_len)
         self._prefix = PrefixCache(self._runner, n_slots, config.max_parked)
         self._targets = dict(self.model.state_dict(keep_vars=True))
         warm_apply_writes({t.dtype for t in self._targets.values()})
         self._work = threading.Lock()  # held while the model or the cache is used
-        self._deferred: list[list[Write]] = []  # parameter writes of applied patches, oldest first
-        self._deferred_lock = threading.Lock()
+        self._deferred: list[Callable[[], None]] = []  # work updates left for after their pause, in order
+        self._write_lock = threading.RLock()  # held while weights are written outside the loop's pause
+        self._patch_lock = threading.Lock()  # one patch_weights at a time
         self._updates: list[_Update] = []
         self._init_front([])  # _active: list of _Session, index == slot
 
@@ -216,34 +230,54 @@ class BuiltinEngine(RequestFront):
         converted = convert_tensors(self._targets, tensors)
         update = _Update(int(version), converted)
         self._run_update(update)
+        self._flush_deferred()  # e.g. the second weight bank, copied from the one now served
         return update.pause_s
 
-    def patch_weights(self, version: int, patches: dict[str, tuple[np.ndarray, np.ndarray]]) -> float:
+    def patch_weights(
+        self,
+        version: int,
+        patches: dict[str, tuple[np.ndarray, np.ndarray]],
+        on_live: Callable[[], None] | None = None,
+    ) -> float:
         """Set elements of parameters in place between decode steps: ``patches[name] = (flat_index, values)``
         (values as in ``update_weights``: uint16 means bfloat16 bit patterns).
 
         Everything is validated before anything is touched (EngineError naming the tensor, state unchanged);
-        derived buffers are patched element-wise, not rebuilt, so the pause is proportional to the number of
-        changed elements. Later tokens carry ``version``. Returns the pause in seconds.
+        served buffers are patched element-wise, not rebuilt: in the idle bank before the pause, which then
+        only switches banks (double buffering), or inside the pause, in proportion to the number of changed
+        elements. Later tokens carry ``version``; ``on_live`` is called (in this thread) once the engine
+        serves it, before the writes left for after the pause. Returns the pause in seconds.
         """
         converted = convert_patches(self._targets, patches)
-        update = _Update(int(version), {}, converted)
-        # Index arithmetic now, in the caller's thread: the loop only scatters (unless a full update
-        # rebuilt the derived buffers in between, then it re-plans).
-        update.generation = self._runner.generation
-        update.writes = self._plan(converted)
-        self._run_update(update)
-        self._flush_deferred()  # off the serving path: the loop is already serving the new version
+        with self._patch_lock:
+            self._flush_deferred()  # the plan below must see every bank
+            update = _Update(int(version), {}, converted)
+            # Index arithmetic now, in the caller's thread: the loop only switches banks or scatters (unless
+            # a full update rebuilt the served weights in between, then it re-plans).
+            update.generation = self._runner.generation
+            update.writes = self._plan(converted)
+            runner = self._runner
+            if isinstance(runner, FastRunner) and runner.double_buffer:
+                with self._write_lock:
+                    if runner.generation == update.generation and runner.banks == 2:
+                        idle = 1 - runner.active
+                        with torch.inference_mode():
+                            apply_writes([w for w in update.writes if w.bank == idle])
+                        update.swap_to = idle
+            self._run_update(update)
+            if on_live is not None:
+                on_live()  # the loop serves the new version from here on
+            self._flush_deferred()  # off the serving path
         return update.pause_s
 
     def _flush_deferred(self) -> None:
-        """Apply the deferred parameter writes of applied patches, oldest first (any thread)."""
-        with self._deferred_lock:
+        """Do the work applied updates left for after their pause, oldest first (any thread)."""
+        with self._write_lock:
             pending, self._deferred = self._deferred, []
             if pending:
                 with torch.inference_mode():
-                    for writes in pending:
-                        apply_writes(writes)
+                    for job in pending:
+                        job()
 
     def _plan(self, patches: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> list[Write]:
         plan = self._runner.plan_patch
@@ -281,27 +315,37 @@ class BuiltinEngine(RequestFront):
 
     def _apply(self, u: _Update) -> None:
         t0 = time.perf_counter()
+        self._write_lock.acquire()
         try:
-            self._flush_deferred()  # an earlier patch's parameter writes first: refresh() reads them
+            self._flush_deferred()  # an earlier patch's late writes first: refresh() reads the parameters
             with torch.no_grad():
                 for name, t in u.tensors.items():
                     self._targets[name].copy_(t)
                 if u.tensors:
-                    self._runner.refresh()
-            if u.patches:
+                    if isinstance(self._runner, FastRunner) and self._runner.double_buffer:
+                        self._runner.refresh(both_banks=False)  # serve one bank now...
+                        self._deferred.append(self._runner.add_second_bank)  # ...the copy after the pause
+                    else:
+                        self._runner.refresh()
+            if u.patches and u.swap_to is not None and u.generation == self._runner.generation:
+                assert isinstance(self._runner, FastRunner)
+                self._runner.activate(u.swap_to)  # the caller wrote this bank; the other one follows
+                rest = [w for w in u.writes if w.bank != u.swap_to]
+                self._deferred.append(functools.partial(apply_writes, rest))
+            elif u.patches:
                 writes = u.writes
                 if u.generation != self._runner.generation:
                     writes = self._plan(u.patches)
                 served = [w for w in writes if not w.deferred]
-                with torch.inference_mode():  # the derived buffers are inference tensors
+                with torch.inference_mode():  # the served buffers are inference tensors
                     apply_writes(served)
                 if len(served) < len(writes):
-                    with self._deferred_lock:
-                        self._deferred.append([w for w in writes if w.deferred])
+                    self._deferred.append(functools.partial(apply_writes, [w for w in writes if w.deferred]))
             self._version = u.version
         except Exception as e:  # noqa: BLE001 - reported to the caller
             u.error = EngineError(f"update_weights to version {u.version} failed: {e}")
         finally:
+            self._write_lock.release()
             self._prefix.drop_all()  # parked KV is of the old weights (also after a partial failure)
             u.pause_s = time.perf_counter() - t0
             u.done.set()

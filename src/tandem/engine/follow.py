@@ -75,6 +75,7 @@ class EngineWeightSync:
             assert shadow is not None and self.follower.version == adv.version
             if adv.full:
                 pause = self.engine.update_weights(adv.version, shadow)
+                live_at = time.time()
                 self.stats["full_reloads"] += 1
                 self.stats["full_reload_s_last"] = pause
                 patched = sum(int(t.size) for t in shadow.values())
@@ -84,7 +85,9 @@ class EngineWeightSync:
                     flat = shadow[name].reshape(-1)
                     index = np.arange(flat.size, dtype=np.int64) if idx is None else idx
                     patches[name] = (index, flat[index])
-                pause = self.engine.patch_weights(adv.version, patches)
+                live: list[float] = []
+                pause = self.engine.patch_weights(adv.version, patches, lambda: live.append(time.time()))
+                live_at = live[0]
                 patched = sum(len(ix) for ix, _ in patches.values())
             s = self.stats
             s["syncs"] += 1
@@ -104,6 +107,7 @@ class EngineWeightSync:
                 "downloaded_bytes": adv.downloaded_bytes,
                 "patched_elements": patched,
                 "total_s": time.perf_counter() - t0,
+                "live_at": live_at,  # wall clock when the engine started serving this version
             }
 
 

@@ -41,6 +41,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,12 +78,15 @@ class Write:
 
     ``deferred``: the forward never reads ``flat`` (a parameter the runner serves from derived buffers), so
     the engine may apply this write after its pause, off the serving path (``BuiltinEngine.patch_weights``).
+    ``bank``: the copy of the served weights ``flat`` belongs to (``FastRunner`` banks), None for an HF
+    parameter.
     """
 
     flat: torch.Tensor
     index: torch.Tensor
     values: torch.Tensor
     deferred: bool = False
+    bank: int | None = None
 
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -128,6 +132,17 @@ def _transposed(
     return torch.from_numpy(pos), values[torch.from_numpy(perm)]
 
 
+def _clone_nested(v: Any) -> Any:
+    """A deep copy of a bank entry (tensors cloned; lists, tuples and dicts rebuilt)."""
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, dict):
+        return {k: _clone_nested(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_clone_nested(x) for x in v)
+    return v
+
+
 def _mm(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     y = x @ wt
     return y if b is None else y + b
@@ -137,7 +152,12 @@ class FastRunner:
     """Own batched forward with a slot KV cache (see module docstring)."""
 
     def __init__(
-        self, model: PreTrainedModel, max_slots: int, max_seq_len: int, deterministic: bool = False
+        self,
+        model: PreTrainedModel,
+        max_slots: int,
+        max_seq_len: int,
+        deterministic: bool = False,
+        double_buffer: bool = False,
     ) -> None:
         self.model = model
         cfg = model.config
@@ -145,8 +165,8 @@ class FastRunner:
         self.deterministic = deterministic
         base = model.model
         self.layers = list(base.layers)
-        self.embed = base.embed_tokens.weight
-        self.norm_w = base.norm.weight
+        self.hf_embed = self.embed = base.embed_tokens.weight
+        self.hf_norm = self.norm_w = base.norm.weight
         self.eps = float(cfg.rms_norm_eps)
         self.lm_head = model.get_output_embeddings().weight
         att0 = self.layers[0].self_attn
@@ -159,6 +179,9 @@ class FastRunner:
         self.moe_layers = [i for i, layer in enumerate(self.layers) if det.is_moe_layer(layer)]
         if self.moe_layers and not deterministic:
             raise ValueError("FastRunner serves mixture-of-experts models in deterministic mode only")
+        # Two banks of served weights (dense models): patches go to the idle one, activate() switches.
+        self.double_buffer = double_buffer and not self.moe_layers
+        self.active = 0
         dense = [layer for layer in self.layers if not det.is_moe_layer(layer)]
         self.inter = dense[0].mlp.gate_proj.weight.shape[0] if dense else 0
         shape = moe_shape(model) if self.moe_layers else None
@@ -183,14 +206,46 @@ class FastRunner:
         self.cos, self.sin = cos[0].to(dtype), sin[0].to(dtype)  # [max_seq_len, head_dim]
         self.refresh()
 
-    def refresh(self) -> None:
-        """Rebuild the derived weights from the HF parameters.
+    def refresh(self, both_banks: bool = True) -> None:
+        """Rebuild the served weights (every bank) from the HF parameters.
 
         Derived: per layer the fused q/k/v and gate/up matrices, and every matrix (lm_head too) transposed
         and contiguous, because ``x @ W_t`` is ~1.5x faster than ``F.linear(x, W)`` for the few-row inputs of
         a CPU decode step. This doubles the memory of the matrices, which is small for the models served here.
+        With ``double_buffer`` there are two such banks, each also with its own copy of the embedding and the
+        norms (a single bank reads those from the HF parameters by reference); both start equal.
+        ``both_banks=False`` builds only the first (served) bank; ``add_second_bank`` then copies it.
         """
+        self.generation = getattr(self, "generation", 0) + 1
+        with torch.inference_mode():
+            first = self._build_bank(private=self.double_buffer)
+            self._banks = [first]
+            if self.double_buffer and both_banks:
+                self._banks.append({k: _clone_nested(v) for k, v in first.items()})
+        self.activate(0)
+        self._derived = self._derived_map()
 
+    @property
+    def banks(self) -> int:
+        return len(self._banks)
+
+    def add_second_bank(self) -> None:
+        """Double buffering after ``refresh(both_banks=False)``: the second bank as a copy of the first.
+        Counts as a refresh (``generation``): plans made before it lack the new bank's writes."""
+        if self.double_buffer and len(self._banks) == 1:
+            with torch.inference_mode():
+                self._banks.append({k: _clone_nested(v) for k, v in self._banks[0].items()})
+            self.generation += 1
+            self._derived = self._derived_map()
+
+    def activate(self, bank: int) -> None:
+        """Serve from ``bank`` from the next forward on (the engine calls it between two steps)."""
+        b = self._banks[bank]
+        self.wt, self.bs, self.moe_w = b["wt"], b["bs"], b["moe_w"]
+        self.head_t, self.embed, self.norm_w, self.norms = b["head_t"], b["embed"], b["norm_w"], b["norms"]
+        self.active = bank
+
+    def _build_bank(self, private: bool) -> dict[str, Any]:
         def t(*ws: torch.Tensor) -> torch.Tensor:
             return torch.cat(ws).t().contiguous()
 
@@ -201,85 +256,109 @@ class FastRunner:
                 [m.bias if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in mods]
             )
 
-        self.generation = getattr(self, "generation", 0) + 1
-        with torch.inference_mode():
-            self.wt: list[tuple[torch.Tensor, ...]] = []
-            self.bs: list[tuple[torch.Tensor | None, ...]] = []
-            self.moe_w: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-            for i, layer in enumerate(self.layers):
-                a, m = layer.self_attn, layer.mlp
-                if det.is_moe_layer(layer):  # attention as below; router and experts in moe_w
-                    att = (a.q_proj, a.k_proj, a.v_proj)
-                    self.wt.append((t(*(x.weight for x in att)), t(a.o_proj.weight), None, None))  # type: ignore[arg-type]
-                    self.bs.append((bias(*att), bias(a.o_proj), None, None))
-                    self.moe_w[i] = det.moe_weights(layer)
-                    continue
-                qkv, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
-                self.wt.append(
-                    (
-                        t(*(x.weight for x in qkv)),
-                        t(a.o_proj.weight),
-                        t(*(x.weight for x in gu)),
-                        t(m.down_proj.weight),
-                    )
+        def own(w: torch.Tensor | None) -> torch.Tensor | None:
+            return None if w is None else (w.detach().clone() if private else w)
+
+        wt: list[tuple[torch.Tensor, ...]] = []
+        bs: list[tuple[torch.Tensor | None, ...]] = []
+        moe_w: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        norms: list[tuple[torch.Tensor | None, ...]] = []
+        for i, layer in enumerate(self.layers):
+            a, m = layer.self_attn, layer.mlp
+            qn, kn = (a.q_norm.weight, a.k_norm.weight) if hasattr(a, "q_norm") else (None, None)
+            ln = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, qn, kn)
+            norms.append(tuple(own(w) for w in ln))
+            if det.is_moe_layer(layer):  # attention as below; router and experts in moe_w
+                att = (a.q_proj, a.k_proj, a.v_proj)
+                wt.append((t(*(x.weight for x in att)), t(a.o_proj.weight), None, None))  # type: ignore[arg-type]
+                bs.append((bias(*att), bias(a.o_proj), None, None))
+                moe_w[i] = det.moe_weights(layer)
+                continue
+            qkv, gu = (a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)
+            wt.append(
+                (
+                    t(*(x.weight for x in qkv)),
+                    t(a.o_proj.weight),
+                    t(*(x.weight for x in gu)),
+                    t(m.down_proj.weight),
                 )
-                self.bs.append((bias(*qkv), bias(a.o_proj), bias(*gu), bias(m.down_proj)))
-            self.head_t = t(self.lm_head)
-        self._derived = self._derived_map()
+            )
+            bs.append((bias(*qkv), bias(a.o_proj), bias(*gu), bias(m.down_proj)))
+        return {
+            "wt": wt, "bs": bs, "moe_w": moe_w, "norms": norms, "head_t": t(self.lm_head),
+            "embed": own(self.hf_embed), "norm_w": own(self.hf_norm),
+        }  # fmt: skip
 
-    def _derived_map(self) -> dict[int, list[tuple[torch.Tensor, int]]]:
-        """For each HF tensor a derived buffer is built from: ``id -> [(buffer, column offset)]``.
+    def _derived_map(self) -> dict[int, list[tuple[torch.Tensor, int, int, str]]]:
+        """For each HF tensor the served buffers built from it: ``id -> [(buffer, column offset, bank,
+        layout)]``, layout ``"t"`` (``W [out, in]`` transposed: ``W[o, i] == buffer[i, offset + o]``; a bias
+        ``b [out]`` at ``buffer[offset + o]``), ``"experts"`` (``[E, O, I]`` as ``[E, I, O]``) or ``"same"``
+        (a bank's private copy of the parameter: embedding, norms)."""
+        out: dict[int, list[tuple[torch.Tensor, int, int, str]]] = {}
 
-        A weight ``W [out, in]`` sits transposed in its buffer: ``W[o, i] == buffer[i, offset + o]``; a bias
-        ``b [out]`` sits at ``buffer[offset + o]``.
-        """
-        out: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        def add(param: torch.Tensor, buf: torch.Tensor, off: int, bank: int, layout: str) -> None:
+            out.setdefault(id(param), []).append((buf, off, bank, layout))
 
-        def place(mods: tuple[torch.nn.Module, ...], wt: torch.Tensor, bs: torch.Tensor | None) -> None:
+        def place(mods: tuple[torch.nn.Module, ...], wt: torch.Tensor, bs: torch.Tensor | None, bank: int):
             off = 0
             for m in mods:
-                out.setdefault(id(m.weight), []).append((wt, off))
+                add(m.weight, wt, off, bank, "t")
                 if bs is not None and m.bias is not None:
-                    out.setdefault(id(m.bias), []).append((bs, off))
+                    add(m.bias, bs, off, bank, "t")
                 off += m.weight.shape[0]
 
-        for i, (layer, wt, bs) in enumerate(zip(self.layers, self.wt, self.bs, strict=True)):
-            a, m = layer.self_attn, layer.mlp
-            place((a.q_proj, a.k_proj, a.v_proj), wt[0], bs[0])
-            place((a.o_proj,), wt[1], bs[1])
-            if i in self.moe_w:  # router [E, H] -> [H, E]; experts [E, O, I] -> [E, I, O] (see plan_patch)
-                router_t, gu_t, down_t = self.moe_w[i]
-                out.setdefault(id(m.gate.weight), []).append((router_t, 0))
-                out.setdefault(id(m.experts.gate_up_proj), []).append((gu_t, 0))
-                out.setdefault(id(m.experts.down_proj), []).append((down_t, 0))
-                continue
-            place((m.gate_proj, m.up_proj), wt[2], bs[2])
-            place((m.down_proj,), wt[3], bs[3])
-        out.setdefault(id(self.lm_head), []).append((self.head_t, 0))
+        for bank, b in enumerate(self._banks):
+            for i, (layer, wt, bs) in enumerate(zip(self.layers, b["wt"], b["bs"], strict=True)):
+                a, m = layer.self_attn, layer.mlp
+                place((a.q_proj, a.k_proj, a.v_proj), wt[0], bs[0], bank)
+                place((a.o_proj,), wt[1], bs[1], bank)
+                if i in b["moe_w"]:  # router [E, H] -> [H, E]; experts [E, O, I] -> [E, I, O]
+                    router_t, gu_t, down_t = b["moe_w"][i]
+                    add(m.gate.weight, router_t, 0, bank, "t")
+                    add(m.experts.gate_up_proj, gu_t, 0, bank, "experts")
+                    add(m.experts.down_proj, down_t, 0, bank, "experts")
+                else:
+                    place((m.gate_proj, m.up_proj), wt[2], bs[2], bank)
+                    place((m.down_proj,), wt[3], bs[3], bank)
+                if self.double_buffer:
+                    qn, kn = (a.q_norm.weight, a.k_norm.weight) if hasattr(a, "q_norm") else (None, None)
+                    hf = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, qn, kn)
+                    for param, copy in zip(hf, b["norms"][i], strict=True):
+                        if param is not None and copy is not None:
+                            add(param, copy, 0, bank, "same")
+            add(self.lm_head, b["head_t"], 0, bank, "t")
+            if self.double_buffer:
+                add(self.hf_embed, b["embed"], 0, bank, "same")
+                add(self.hf_norm, b["norm_w"], 0, bank, "same")
         return out
 
     def plan_patch(self, param: torch.Tensor, flat_index: torch.Tensor, values: torch.Tensor) -> list[Write]:
         """The element writes that set ``param.view(-1)[flat_index] = values`` in the parameter and in every
-        derived buffer built from it. Planning does the index arithmetic; applying (``apply_writes``) only
-        scatters, so the engine's pause is just the scatter. A plan is valid until the next ``refresh``."""
+        served buffer built from it, in every bank. Planning does the index arithmetic; applying
+        (``apply_writes``) only scatters, so the engine's pause is at most the scatter. A plan is valid until
+        the next ``refresh``."""
         derived = self._derived.get(id(param), ())
-        # A matrix the forward reads only through its derived buffers (every one but the embedding, which
-        # it reads directly; MoE routers are read directly too) can be patched after the pause.
-        served_from_derived = (
-            bool(derived) and param.dim() == 2 and param is not self.embed and not self.moe_layers
+        # The forward reads HF parameters only without double buffering, and then only the embedding, the
+        # norms and (MoE) the routers: a write to any other parameter can land after the pause.
+        unread = self.double_buffer or (
+            bool(derived) and param.dim() == 2 and param is not self.hf_embed and not self.moe_layers
         )
-        writes = [Write(param.view(-1), flat_index, values, deferred=served_from_derived)]
-        for buf, off in derived:
-            if param.dim() == 1:
-                writes.append(Write(buf.view(-1), off + flat_index, values))
-            elif param.dim() == 3:  # stacked experts: W[e, o, i] == buf[e, i, o]
-                _, out_dim, in_dim = param.shape
-                e, rest = flat_index // (out_dim * in_dim), flat_index % (out_dim * in_dim)
-                rows, cols = rest // in_dim, rest % in_dim
-                writes.append(Write(buf.view(-1), (e * in_dim + cols) * out_dim + rows, values))
-            else:
-                pos, ordered = _transposed(flat_index, values, param.shape[1], buf.shape[1], off)
-                writes.append(Write(buf.view(-1), pos, ordered))
+        writes = [Write(param.view(-1), flat_index, values, deferred=unread)]
+        planned: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # banks share layouts
+        for buf, off, bank, layout in derived:
+            key = (layout, off, buf.shape[-1])
+            if key not in planned:
+                if layout == "same" or param.dim() == 1:
+                    planned[key] = (off + flat_index, values)
+                elif layout == "experts":  # stacked experts: W[e, o, i] == buf[e, i, o]
+                    _, out_dim, in_dim = param.shape
+                    e, rest = flat_index // (out_dim * in_dim), flat_index % (out_dim * in_dim)
+                    rows, cols = rest // in_dim, rest % in_dim
+                    planned[key] = ((e * in_dim + cols) * out_dim + rows, values)
+                else:
+                    planned[key] = _transposed(flat_index, values, param.shape[1], buf.shape[1], off)
+            pos, ordered = planned[key]
+            writes.append(Write(buf.view(-1), pos, ordered, bank=bank))
         return writes
 
     # ---- building blocks -------------------------------------------------------------------------
@@ -295,21 +374,21 @@ class FastRunner:
 
     def _qkv(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h [..., hidden] -> q [..., H, D], k/v [..., Hkv, D] with norms and RoPE applied."""
-        a = self.layers[i].self_attn
         qkv = _mm(h, self.wt[i][0], self.bs[i][0])
         q, k, v = qkv.split((self.q_out, self.kv_out, self.kv_out), dim=-1)
         q = q.unflatten(-1, (self.n_heads, self.head_dim))
         k = k.unflatten(-1, (self.n_kv, self.head_dim))
         v = v.unflatten(-1, (self.n_kv, self.head_dim))
-        if hasattr(a, "q_norm"):
-            q = self._rms(q, a.q_norm.weight)
-            k = self._rms(k, a.k_norm.weight)
+        qn, kn = self.norms[i][2], self.norms[i][3]
+        if qn is not None and kn is not None:
+            q = self._rms(q, qn)
+            k = self._rms(k, kn)
         return self._rope(q, cos, sin), self._rope(k, cos, sin), v
 
     def _mlp_out(self, i: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         wt, bs = self.wt[i], self.bs[i]
         x = x + _mm(attn, wt[1], bs[1])
-        h = self._rms(x, self.layers[i].post_attention_layernorm.weight)
+        h = self._rms(x, self.norms[i][1])
         g, u = _mm(h, wt[2], bs[2]).split((self.inter, self.inter), dim=-1)
         return x + _mm(F.silu(g) * u, wt[3], bs[3])
 
@@ -334,8 +413,8 @@ class FastRunner:
         s0, s1 = first_slot, first_slot + b
         cos, sin = self.cos[:t].unsqueeze(1), self.sin[:t].unsqueeze(1)  # [t, 1, D]
         x = F.embedding(ids, self.embed)  # [b, t, hidden]
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(i, self._rms(x, layer.input_layernorm.weight), cos, sin)  # [b, t, h, D]
+        for i in range(len(self.layers)):
+            q, k, v = self._qkv(i, self._rms(x, self.norms[i][0]), cos, sin)  # [b, t, h, D]
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [b, Hkv, t, D]
             self.k_cache[i, s0:s1, :, :t] = k
             self.v_cache[i, s0:s1, :, :t] = v
@@ -377,8 +456,8 @@ class FastRunner:
             (torch.arange(t_kv).view(1, 1, t_kv) > pos.unsqueeze(2)).unsqueeze(1), float("-inf")
         )
         x = F.embedding(ids, self.embed)
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(i, self._rms(x, layer.input_layernorm.weight), cos, sin)  # [b, t, h, D]
+        for i in range(len(self.layers)):
+            q, k, v = self._qkv(i, self._rms(x, self.norms[i][0]), cos, sin)  # [b, t, h, D]
             kc, vc = self.k_cache[i], self.v_cache[i]
             kc[slots, :, wpos] = k[jj, ii]
             vc[slots, :, wpos] = v[jj, ii]
@@ -411,8 +490,8 @@ class FastRunner:
         mask.masked_fill_((torch.arange(t).unsqueeze(0) > pos.unsqueeze(1)).view(n, 1, 1, t), float("-inf"))
         g = self.n_heads // self.n_kv
         x = F.embedding(tokens, self.embed)  # [n, hidden]
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(i, self._rms(x, layer.input_layernorm.weight), cos, sin)
+        for i in range(len(self.layers)):
+            q, k, v = self._qkv(i, self._rms(x, self.norms[i][0]), cos, sin)
             kc, vc = self.k_cache[i], self.v_cache[i]
             kc[rows, :, pos] = k
             vc[rows, :, pos] = v
@@ -436,14 +515,14 @@ class FastRunner:
         x = F.embedding(ids, self.embed)
         routes = []
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            norms = (a.q_norm.weight, a.k_norm.weight) if hasattr(a, "q_norm") else None
-            h = det.rms_norm(x, layer.input_layernorm.weight, self.eps)
+            qn, kn = self.norms[i][2], self.norms[i][3]
+            norms = (qn, kn) if qn is not None and kn is not None else None
+            h = det.rms_norm(x, self.norms[i][0], self.eps)
             q, k, v = det.qkv(h, self.wt[i][0], self.bs[i][0], heads, norms, self.eps, cos, sin)
             kt, vb = self.k_cache[i], self.v_cache[i]
             det.write_blocks(kt, vb, slots, wpos, k[jj, ii], v[jj, ii])
             o = det.attention_blocks(q, kt[s0:s1], vb[s0:s1], pos, self.scaling)
-            post = layer.post_attention_layernorm.weight
+            post = self.norms[i][1]
             if i in self.moe_w:
                 x, idx = det.moe_out(
                     x,

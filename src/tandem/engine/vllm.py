@@ -336,11 +336,19 @@ class VllmEngine(RequestFront):
         self._run_update(update)
         return update.pause_s
 
-    def patch_weights(self, version: int, patches: dict[str, tuple[np.ndarray, np.ndarray]]) -> float:
+    def patch_weights(
+        self,
+        version: int,
+        patches: dict[str, tuple[np.ndarray, np.ndarray]],
+        on_live: Callable[[], None] | None = None,
+    ) -> float:
         """Set elements ``patches[name] = (flat_index, values)`` between two steps (the modules touched are
-        reloaded whole). Returns the pause in seconds."""
+        reloaded whole). ``on_live`` is called once the engine serves ``version`` (as by the built-in
+        engine). Returns the pause in seconds."""
         update = _Update(int(version), {}, convert_patches(self._host, patches))
         self._run_update(update)
+        if on_live is not None:
+            on_live()
         return update.pause_s
 
     def _run_update(self, update: _Update) -> None:
