@@ -305,23 +305,29 @@ def test_patch_weights_equals_full_update(kind):
         tensors[name] = flat.reshape(tuple(t.shape))
     assert isinstance(patched.patch_weights(5, patches), float)
     full.update_weights(5, tensors)
-    for e in (patched, full):
+    a = _same_samples(patched, full)
+    assert all(c.versions == [5] * 6 for c in a)
+    for k, v in full.model.state_dict().items():
+        assert torch.equal(patched.model.state_dict()[k], v), k
+    if isinstance(patched._runner, FastRunner):
+        for mine, ref in zip(patched._runner.wt, full._runner.wt, strict=True):
+            assert all(torch.equal(x, y) for x, y in zip(mine, ref, strict=True))
+        assert torch.equal(patched._runner.head_t, full._runner.head_t)
+
+
+def _same_samples(a: BuiltinEngine, b: BuiltinEngine) -> list:
+    """Start both engines, greedy-sample the same prompts on each, check the tokens agree; stop them."""
+    for e in (a, b):
         e.start()
     try:
         p = prompts(2)
-        a = patched.generate([req(x, n=6) for x in p])
-        b = full.generate([req(x, n=6) for x in p])
-        assert [c.token_ids for c in a] == [c.token_ids for c in b]
-        assert all(c.versions == [5] * 6 for c in a)
-        for k, v in full.model.state_dict().items():
-            assert torch.equal(patched.model.state_dict()[k], v), k
-        if isinstance(patched._runner, FastRunner):
-            for mine, ref in zip(patched._runner.wt, full._runner.wt, strict=True):
-                assert all(torch.equal(x, y) for x, y in zip(mine, ref, strict=True))
-            assert torch.equal(patched._runner.head_t, full._runner.head_t)
+        out_a = a.generate([req(x, n=6) for x in p])
+        out_b = b.generate([req(x, n=6) for x in p])
+        assert [c.token_ids for c in out_a] == [c.token_ids for c in out_b]
+        return out_a
     finally:
-        patched.stop()
-        full.stop()
+        a.stop()
+        b.stop()
 
 
 def _random_patches(engine: BuiltinEngine, seed: int, frac: int = 30) -> dict:
@@ -397,16 +403,7 @@ def test_double_buffered_patch_switches_banks_and_leaves_both_equal():
         assert torch.equal(bank["norm_w"], ref["norm_w"])
         for mine, want in zip(bank["norms"], ref["norms"], strict=True):
             assert all(torch.equal(x, y) for x, y in zip(mine, want, strict=True) if x is not None)
-    for e in (patched, full):
-        e.start()
-    try:
-        p = prompts(2)
-        a = patched.generate([req(x, n=6) for x in p])
-        b = full.generate([req(x, n=6) for x in p])
-        assert [c.token_ids for c in a] == [c.token_ids for c in b]
-    finally:
-        patched.stop()
-        full.stop()
+    _same_samples(patched, full)
 
 
 def test_later_full_update_applies_after_an_earlier_patches_deferred_writes():

@@ -67,7 +67,7 @@ from transformers import PreTrainedModel
 from tandem.core.config import EngineConfig
 from tandem.core.errors import EngineError, ModelLoadError
 from tandem.core.generation import Completion, GenerationRequest
-from tandem.engine.checks import check_request, convert_patches, convert_tensors
+from tandem.engine.checks import OnLive, Patches, check_request, convert_patches, convert_tensors
 from tandem.engine.front import Pending, RequestFront, error_completion, notify, resolve
 from tandem.engine.prefix import PrefixCache
 from tandem.engine.runner import FastRunner, HFRunner, Write, apply_writes, fast_supported, warm_apply_writes
@@ -233,12 +233,7 @@ class BuiltinEngine(RequestFront):
         self._flush_deferred()  # e.g. the second weight bank, copied from the one now served
         return update.pause_s
 
-    def patch_weights(
-        self,
-        version: int,
-        patches: dict[str, tuple[np.ndarray, np.ndarray]],
-        on_live: Callable[[], None] | None = None,
-    ) -> float:
+    def patch_weights(self, version: int, patches: Patches, on_live: OnLive = None) -> float:
         """Set elements of parameters in place between decode steps: ``patches[name] = (flat_index, values)``
         (values as in ``update_weights``: uint16 means bfloat16 bit patterns).
 

@@ -10,11 +10,18 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from tandem.core.errors import EngineError
 from tandem.core.generation import GenerationRequest
+
+Patches = dict[str, tuple[np.ndarray, np.ndarray]]
+"""``patch_weights`` input: tensor name -> (flat indices, new values)."""
+OnLive = Callable[[], None] | None
+"""``patch_weights`` callback: called once the engine serves the new version."""
 
 
 def as_values(value: np.ndarray | torch.Tensor, target: torch.Tensor) -> torch.Tensor:

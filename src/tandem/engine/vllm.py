@@ -58,7 +58,7 @@ import torch
 from tandem.core.config import EngineConfig
 from tandem.core.errors import EngineError, ModelLoadError
 from tandem.core.generation import Completion, GenerationRequest
-from tandem.engine.checks import check_request, convert_patches, convert_tensors
+from tandem.engine.checks import OnLive, Patches, check_request, convert_patches, convert_tensors
 from tandem.engine.front import Pending, RequestFront, error_completion, notify, resolve
 
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -336,12 +336,7 @@ class VllmEngine(RequestFront):
         self._run_update(update)
         return update.pause_s
 
-    def patch_weights(
-        self,
-        version: int,
-        patches: dict[str, tuple[np.ndarray, np.ndarray]],
-        on_live: Callable[[], None] | None = None,
-    ) -> float:
+    def patch_weights(self, version: int, patches: Patches, on_live: OnLive = None) -> float:
         """Set elements ``patches[name] = (flat_index, values)`` between two steps (the modules touched are
         reloaded whole). ``on_live`` is called once the engine serves ``version`` (as by the built-in
         engine). Returns the pause in seconds."""
