@@ -40,6 +40,7 @@ def test_overrides_parse_toml_values(tmp_path):
         ("train.loss=ppo2", "train.loss"),
         ("train.is_correction=magic", "train.is_correction"),
         ("tasks.source=mbpp", "tasks.source"),
+        ("engine.double_buffer_weights=maybe", "engine.double_buffer_weights"),
     ],
 )
 def test_invalid_config_names_the_field(override, needle):
