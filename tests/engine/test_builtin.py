@@ -406,6 +406,24 @@ def test_double_buffered_patch_switches_banks_and_leaves_both_equal():
     _same_samples(patched, full)
 
 
+def test_sync_bank_restores_an_idle_bank_that_was_never_switched_to():
+    """If a patch written into the idle bank is never switched to (its update failed), the engine copies the
+    served bank back over it, so the next patch's bank holds exactly the served weights plus that patch."""
+    engine = BuiltinEngine(make("qwen3"), EngineConfig(max_batch=2, max_seq_len=32))
+    runner = engine._runner
+    assert isinstance(runner, FastRunner) and runner.banks == 2
+    idle = runner._banks[1 - runner.active]
+    with torch.inference_mode():
+        idle["wt"][0][0].add_(1.0)
+        idle["embed"].mul_(2.0)
+    runner.sync_bank(1 - runner.active)
+    served = runner._banks[runner.active]
+    for mine, want in zip(idle["wt"], served["wt"], strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(mine, want, strict=True))
+    assert torch.equal(idle["embed"], served["embed"])
+    assert idle["embed"].data_ptr() != served["embed"].data_ptr()  # still two copies
+
+
 def test_later_full_update_applies_after_an_earlier_patches_deferred_writes():
     """If the loop applies another update before a patch's caller wrote the deferred parameter elements,
     it writes them first: a partial full update (which rebuilds derived buffers from the parameters) then

@@ -259,7 +259,14 @@ class BuiltinEngine(RequestFront):
                         with torch.inference_mode():
                             apply_writes([w for w in update.writes if w.bank == idle])
                         update.swap_to = idle
-            self._run_update(update)
+            try:
+                self._run_update(update)
+            except BaseException:
+                if update.swap_to is not None and isinstance(runner, FastRunner):
+                    with self._write_lock:  # never switched to: the idle bank goes back to the served weights
+                        if runner.generation == update.generation and runner.active != update.swap_to:
+                            runner.sync_bank(update.swap_to)
+                raise
             if on_live is not None:
                 on_live()  # the loop serves the new version from here on
             self._flush_deferred()  # off the serving path

@@ -143,6 +143,18 @@ def _clone_nested(v: Any) -> Any:
     return v
 
 
+def _copy_nested(dst: Any, src: Any) -> None:
+    """Copy every tensor of bank entry ``src`` into the same place of ``dst`` (same structure)."""
+    if isinstance(src, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(src, dict):
+        for k, x in src.items():
+            _copy_nested(dst[k], x)
+    elif isinstance(src, (list, tuple)):
+        for d, x in zip(dst, src, strict=True):
+            _copy_nested(d, x)
+
+
 def _mm(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     y = x @ wt
     return y if b is None else y + b
@@ -228,6 +240,14 @@ class FastRunner:
     @property
     def banks(self) -> int:
         return len(self._banks)
+
+    def sync_bank(self, dst: int) -> None:
+        """Copy the served bank into bank ``dst`` in place (e.g. after a patch was written into the idle bank
+        but never switched to)."""
+        if dst == self.active or len(self._banks) <= dst:
+            return
+        with torch.inference_mode():
+            _copy_nested(self._banks[dst], self._banks[self.active])
 
     def add_second_bank(self) -> None:
         """Double buffering after ``refresh(both_banks=False)``: the second bank as a copy of the first.
