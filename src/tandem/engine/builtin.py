@@ -70,8 +70,9 @@ from tandem.core.generation import Completion, GenerationRequest
 from tandem.engine.checks import OnLive, Patches, check_request, convert_patches, convert_tensors
 from tandem.engine.front import Pending, RequestFront, error_completion, notify, resolve
 from tandem.engine.prefix import PrefixCache
-from tandem.engine.runner import FastRunner, HFRunner, Write, apply_writes, fast_supported, warm_apply_writes
+from tandem.engine.runner import FastRunner, HFRunner, fast_supported
 from tandem.engine.sampling import UniformStream, sample_top
+from tandem.engine.writes import Write, apply_writes, warm_apply_writes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _PREFILL_TOKEN_BUDGET = 4096  # padded prompt tokens per prefill batch

@@ -40,7 +40,6 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from tandem.engine.writes import Write, clone_nested, copy_nested, transposed
 from tandem.model import deterministic as det
 from tandem.model.moe import RouterHooks, moe_shape, routes_dtype
 
@@ -70,89 +70,6 @@ def fast_supported(model: PreTrainedModel, deterministic: bool = False) -> str |
     if not hasattr(model, "model") or not hasattr(model.model, "layers"):
         return "model has no .model.layers"
     return None
-
-
-@dataclass
-class Write:
-    """Set ``flat[index] = values`` (``flat`` is a 1-D view of a parameter or a derived buffer).
-
-    ``deferred``: the forward never reads ``flat`` (a parameter the runner serves from derived buffers), so
-    the engine may apply this write after its pause, off the serving path (``BuiltinEngine.patch_weights``).
-    ``bank``: the copy of the served weights ``flat`` belongs to (``FastRunner`` banks), None for an HF
-    parameter.
-    """
-
-    flat: torch.Tensor
-    index: torch.Tensor
-    values: torch.Tensor
-    deferred: bool = False
-    bank: int | None = None
-
-
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def warm_apply_writes(dtypes: set[torch.dtype]) -> None:
-    """Compile (or load from numba's cache) the scatter for these parameter dtypes now, so that the first
-    delta update does not pay the compilation (about 1.5 s) inside the engine's pause."""
-    with torch.inference_mode():
-        for dt in dtypes:
-            flat = torch.zeros(2, dtype=dt)
-            apply_writes([Write(flat, torch.tensor([1]), flat[:1].clone())])
-
-
-def apply_writes(writes: list[Write]) -> None:
-    """Scatter planned writes (call under ``torch.inference_mode``: derived buffers are inference tensors).
-
-    CPU tensors go through a compiled scatter loop on integer views of the same memory (bit-exact for any
-    dtype): about 2x faster than ``index_copy_`` at the few-percent densities of RL weight deltas, and this
-    scatter is the whole engine pause of a delta update. Other devices use ``index_copy_``."""
-    from tandem.weights.decode_kernels import scatter
-
-    for w in writes:
-        size = w.flat.element_size()
-        if w.flat.device.type == "cpu" and size in _INT_VIEW and w.values.dtype == w.flat.dtype:
-            view = _INT_VIEW[size]
-            scatter(w.flat.view(view).numpy(), w.index.numpy(), w.values.contiguous().view(view).numpy())
-        else:
-            w.flat.index_copy_(0, w.index, w.values)
-
-
-def _transposed(
-    flat_index: torch.Tensor, values: torch.Tensor, in_dim: int, stride: int, offset: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions in a transposed buffer (``W[o, i]`` at ``i * stride + offset + o``) of W's flat indices,
-    in buffer order, with the values reordered to match: the scatter then walks the buffer front to back
-    (about 2x faster than in W's order, whose consecutive writes are ``stride`` elements apart)."""
-    from tandem.weights.decode_kernels import transposed_order
-
-    idx = flat_index.contiguous().numpy()
-    pos, perm = np.empty_like(idx), np.empty_like(idx)
-    transposed_order(idx, in_dim, stride, offset, pos, perm)
-    return torch.from_numpy(pos), values[torch.from_numpy(perm)]
-
-
-def _clone_nested(v: Any) -> Any:
-    """A deep copy of a bank entry (tensors cloned; lists, tuples and dicts rebuilt)."""
-    if isinstance(v, torch.Tensor):
-        return v.clone()
-    if isinstance(v, dict):
-        return {k: _clone_nested(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return type(v)(_clone_nested(x) for x in v)
-    return v
-
-
-def _copy_nested(dst: Any, src: Any) -> None:
-    """Copy every tensor of bank entry ``src`` into the same place of ``dst`` (same structure)."""
-    if isinstance(src, torch.Tensor):
-        dst.copy_(src)
-    elif isinstance(src, dict):
-        for k, x in src.items():
-            _copy_nested(dst[k], x)
-    elif isinstance(src, (list, tuple)):
-        for d, x in zip(dst, src, strict=True):
-            _copy_nested(d, x)
 
 
 def _mm(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -233,7 +150,7 @@ class FastRunner:
             first = self._build_bank(private=self.double_buffer)
             self._banks = [first]
             if self.double_buffer and both_banks:
-                self._banks.append({k: _clone_nested(v) for k, v in first.items()})
+                self._banks.append({k: clone_nested(v) for k, v in first.items()})
         self.activate(0)
         self._derived = self._derived_map()
 
@@ -247,14 +164,14 @@ class FastRunner:
         if dst == self.active or len(self._banks) <= dst:
             return
         with torch.inference_mode():
-            _copy_nested(self._banks[dst], self._banks[self.active])
+            copy_nested(self._banks[dst], self._banks[self.active])
 
     def add_second_bank(self) -> None:
         """Double buffering after ``refresh(both_banks=False)``: the second bank as a copy of the first.
         Counts as a refresh (``generation``): plans made before it lack the new bank's writes."""
         if self.double_buffer and len(self._banks) == 1:
             with torch.inference_mode():
-                self._banks.append({k: _clone_nested(v) for k, v in self._banks[0].items()})
+                self._banks.append({k: clone_nested(v) for k, v in self._banks[0].items()})
             self.generation += 1
             self._derived = self._derived_map()
 
@@ -376,7 +293,7 @@ class FastRunner:
                     rows, cols = rest // in_dim, rest % in_dim
                     planned[key] = ((e * in_dim + cols) * out_dim + rows, values)
                 else:
-                    planned[key] = _transposed(flat_index, values, param.shape[1], buf.shape[1], off)
+                    planned[key] = transposed(flat_index, values, param.shape[1], buf.shape[1], off)
             pos, ordered = planned[key]
             writes.append(Write(buf.view(-1), pos, ordered, bank=bank))
         return writes
