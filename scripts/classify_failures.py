@@ -8,10 +8,7 @@ Classes (from the lines the session's diff adds to ``solution.py``): ``no_change
 (the reference solution's last line is among them), ``bug`` (a planted bug's last line is), ``other``;
 ``+pass`` when every hidden test passed.
 
-Also, over the sessions of tasks with an integer constant ``K`` that changed ``solution.py``:
-``constant_copied``, the fraction whose added lines contain ``K`` as a number, and ``constant_by_chance``,
-the fraction that contain a ``K`` drawn afresh from the task family's own parameter generator (seeded): what
-a model that ignores the task's constant would score.
+Also ``pass_by_family``: per task family, ``[hidden-test passes, sessions]``.
 
 Usage: .venv/bin/python scripts/classify_failures.py [MODEL] [--split heldout] [--tasks 48] [--samples 4]
 """
@@ -22,14 +19,11 @@ import argparse
 import asyncio
 import collections
 import json
-import random
-import re
 
 import torch
 
 from tandem.core.config import load_config
 from tandem.engine import create_engine
-from tandem.env.families import FAMILIES
 from tandem.env.sources import tasks_for
 from tandem.model import load_chat_format
 from tandem.rollout import RolloutWorker
@@ -48,14 +42,6 @@ def classify(diff: str, solution: str, bugs: list[str]) -> str:
     if any(b.strip().splitlines()[-1].strip() in added for b in bugs):
         return "bug"
     return "other"
-
-
-def numbers_added(diff: str) -> set[int]:
-    """The whole numbers on the code lines a diff adds (its ``+++`` header and docstring lines excluded: the
-    stub's docstring states the constant)."""
-    lines = diff.splitlines()
-    added = [ln[1:] for ln in lines if ln.startswith("+") and not ln.startswith("+++") and '"""' not in ln]
-    return {int(n) for ln in added for n in re.findall(r"(?<![\w.])\d+(?![\w.])", ln)}
 
 
 def main() -> None:
@@ -92,29 +78,18 @@ def main() -> None:
         engine.stop()
     total: collections.Counter[str] = collections.Counter()
     by_level: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-    family = {f.name: f for f in FAMILIES}
-    chance_rng = random.Random(0)
-    constants = collections.Counter()
+    by_family: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for task, group in results:
         for traj in group.trajectories:
-            k = task.meta.get("params", {}).get("K")
-            if isinstance(k, int) and traj.diff.strip():
-                nums = numbers_added(traj.diff)
-                constants["sessions"] += 1
-                constants["copied"] += k in nums
-                constants["by_chance"] += family[task.meta["family"]].params(chance_rng)["K"] in nums
             c = classify(traj.diff, task.meta["solution"], list(task.meta.get("bugs", [])))
             c += "+pass" if traj.reward.components.get("pass_fraction", 0.0) >= 1.0 else ""
             total[c] += 1
+            by_family[task.meta["family"]][0] += c.endswith("+pass")
+            by_family[task.meta["family"]][1] += 1
             by_level[str(task.meta.get("level"))][c] += 1
     out = {"model": args.model, "split": args.split, "tasks": len(tasks), "samples_per_task": args.samples}
     out |= {"classes": dict(total), "by_level": {k: dict(v) for k, v in sorted(by_level.items())}}
-    n = max(1, constants["sessions"])
-    out |= {
-        "constant_sessions": constants["sessions"],
-        "constant_copied": round(constants["copied"] / n, 3),
-        "constant_by_chance": round(constants["by_chance"] / n, 3),
-    }
+    out["pass_by_family"] = dict(sorted(by_family.items()))
     print(json.dumps(out))
 
 

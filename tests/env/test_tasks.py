@@ -9,6 +9,7 @@ from tandem.core.records import Task
 from tandem.env.families import FAMILIES, FAMILIES_BY_LEVEL
 from tandem.env.tasks import (
     HIDDEN_TEST_FILE,
+    PARAMS_FILE,
     SOLUTION_FILE,
     SYSTEM_PROMPT,
     TOOLS,
@@ -18,6 +19,7 @@ from tandem.env.tasks import (
     run_test_file_inprocess,
     split_of,
     task_split,
+    workspace_modules,
 )
 from tandem.sandbox import bwrap_available, create_sandbox
 
@@ -78,13 +80,22 @@ def test_task_shape() -> None:
     assert t.prompt[0].content == SYSTEM_PROMPT
     assert t.prompt[1].content.startswith(f"Implement `{name}(")
     assert t.prompt[1].content.endswith("Visible tests are in test_solution.py. Call submit when done.")
-    assert set(t.workspace) == {SOLUTION_FILE, VISIBLE_TEST_FILE}
+    assert set(t.workspace) == {SOLUTION_FILE, VISIBLE_TEST_FILE, PARAMS_FILE}
     assert f"def {name}(" in t.workspace[SOLUTION_FILE]
     assert "raise NotImplementedError" in t.workspace[SOLUTION_FILE]
     assert set(t.hidden_tests) == {HIDDEN_TEST_FILE}
     assert t.test_command == ["python3", "-I", "-S", HIDDEN_TEST_FILE]
     assert t.visible_test_command == ["python3", "-S", VISIBLE_TEST_FILE]
-    assert t.protected == [VISIBLE_TEST_FILE]
+    assert t.protected == [VISIBLE_TEST_FILE, PARAMS_FILE]
+    # The parameters live in params.py; the stub, the spec and the reference name them, never their values.
+    params = t.meta["params"]
+    assert params and t.workspace[PARAMS_FILE] == "".join(f"{k} = {v!r}\n" for k, v in sorted(params.items()))
+    assert t.workspace[SOLUTION_FILE].startswith(f"from params import {', '.join(sorted(params))}\n")
+    assert t.meta["solution"].startswith(f"from params import {', '.join(sorted(params))}\n")
+    assert "params.py" in t.prompt[1].content
+    free = next(t for i in range(200) if not (t := generate_task("train", i, 0, 3)).meta["params"])
+    assert set(free.workspace) == {SOLUTION_FILE, VISIBLE_TEST_FILE} and free.protected == [VISIBLE_TEST_FILE]
+    assert "import" not in free.meta["solution"]
     assert 6 <= t.meta["hidden_total"] <= 10 and 2 <= t.meta["visible_total"] <= 3
     assert [x["function"]["name"] for x in TOOLS] == ["read_file", "write_file", "run", "run_tests", "submit"]
     # Short enough for a tiny context: prompt plus stub well under the session budget.
@@ -134,6 +145,8 @@ def test_every_family_reference_passes_and_every_bug_fails_in_sandbox() -> None:
                 files[f"{d}/{SOLUTION_FILE}"] = src
                 files[f"{d}/{HIDDEN_TEST_FILE}"] = t.hidden_tests[HIDDEN_TEST_FILE]
                 files[f"{d}/{VISIBLE_TEST_FILE}"] = t.workspace[VISIBLE_TEST_FILE]
+                if PARAMS_FILE in t.workspace:
+                    files[f"{d}/{PARAMS_FILE}"] = t.workspace[PARAMS_FILE]
                 expect[d] = 0 if j == 0 else 1
     with create_sandbox({**files, "driver.py": DRIVER}, _sandbox_config()) as sb:
         res = sb.exec(["python3", "driver.py"])
@@ -146,19 +159,23 @@ def test_every_family_reference_passes_and_every_bug_fails_in_sandbox() -> None:
 
 
 def test_inprocess_runner_matches_sandbox_and_import_crash_fails_all() -> None:
-    tasks = [ts[0] for ts in _tasks_per_family(1).values()][::5]
+    tasks = [ts[0] for ts in _tasks_per_family(1).values()][::4]
+    assert {PARAMS_FILE in t.workspace for t in tasks} == {True, False}
     cases = [
-        (t.workspace[VISIBLE_TEST_FILE], s) for t in tasks for s in (t.meta["solution"], t.meta["bugs"][0])
+        (t, t.workspace[VISIBLE_TEST_FILE], s) for t in tasks for s in (t.meta["solution"], t.meta["bugs"][0])
     ]
-    cases.append((tasks[0].workspace[VISIBLE_TEST_FILE], tasks[0].workspace[SOLUTION_FILE]))
+    cases.append((tasks[0], tasks[0].workspace[VISIBLE_TEST_FILE], tasks[0].workspace[SOLUTION_FILE]))
     crash = "raise ValueError('boom')\n"
-    cases.append((tasks[0].hidden_tests[HIDDEN_TEST_FILE], crash))
+    cases.append((tasks[0], tasks[0].hidden_tests[HIDDEN_TEST_FILE], crash))
     with create_sandbox({}, _sandbox_config()) as sb:
-        for test_src, src in cases:
+        for t, test_src, src in cases:
             sb.write(SOLUTION_FILE, src)
+            sb.write(PARAMS_FILE, t.workspace.get(PARAMS_FILE, ""))
             sb.write("t.py", test_src)
             res = sb.exec(["python3", "t.py"])
-            assert (res.stdout, res.exit_code) == run_test_file_inprocess(test_src, src)
+            assert (res.stdout, res.exit_code) == run_test_file_inprocess(
+                test_src, src, workspace_modules(t.workspace)
+            )
             assert res.stderr == ""
     out, code = run_test_file_inprocess(tasks[0].hidden_tests[HIDDEN_TEST_FILE], crash)
     n = tasks[0].meta["hidden_total"]

@@ -32,6 +32,7 @@ from tandem.env.tasks import (
     VISIBLE_TEST_FILE,
     generate_task,
     run_test_file_inprocess,
+    workspace_modules,
 )
 from tandem.env.tools import SUBMITTED, format_output, read_message, wrote_message
 
@@ -52,7 +53,9 @@ class ExpertEpisode:
 
     def hidden_passed(self, task: Task) -> bool:
         """Whether the submitted solution passes every hidden test (in-process; trusted code only)."""
-        _, code = run_test_file_inprocess(task.hidden_tests[HIDDEN_TEST_FILE], self.final_solution)
+        _, code = run_test_file_inprocess(
+            task.hidden_tests[HIDDEN_TEST_FILE], self.final_solution, workspace_modules(task.workspace)
+        )
         return code == 0
 
 
@@ -81,6 +84,8 @@ def expert_episode(task: Task, rng: random.Random) -> ExpertEpisode:
         else rng.choice(bugs)
     )
 
+    modules = workspace_modules(task.workspace)
+
     def write_and_test(src: str) -> int:
         msgs.extend(
             [
@@ -88,7 +93,7 @@ def expert_episode(task: Task, rng: random.Random) -> ExpertEpisode:
                 _obs("write_file", wrote_message(SOLUTION_FILE, src)),
             ]
         )
-        out, code = run_test_file_inprocess(task.workspace[VISIBLE_TEST_FILE], src)
+        out, code = run_test_file_inprocess(task.workspace[VISIBLE_TEST_FILE], src, modules)
         msgs.extend([_call("run_tests"), _obs("run_tests", format_output(out, "", code))])
         return code
 

@@ -1,10 +1,12 @@
 """Built-in tasks: procedurally generated Python function-writing exercises at three difficulty levels.
 
 Each instance (of a family in ``tandem.env.families``) asks for one function ``solve(args)`` in
-``solution.py`` (one fixed name: the default 6M-parameter model cannot yet copy an arbitrary name from its
-context reliably, and the name carries no information about the task); the agent sees a stub and 2
-visible tests (``test_solution.py``); 6-10 hidden tests
-(edge cases included) run only when scoring.
+``solution.py``; the agent sees a stub and 2 visible tests (``test_solution.py``); 6-10 hidden tests (edge
+cases included) run only when scoring. The instance's parameters (``K``, ``M``, ``C``, ``W``) live in a
+protected ``params.py`` that the stub imports (``from params import K``), and the spec names them
+(``return x plus K``). Neither the function name nor a parameter value has to be copied from the context
+into the code: the default 6M-parameter model cannot yet copy an arbitrary name or number reliably, and
+copying carries no information about the task; a model that can still may write the literal value.
 
 Invariants:
 - Generation is a pure function of ``(split, seed, level, index)``: ``get_task(task.id)`` rebuilds the same
@@ -13,6 +15,9 @@ Invariants:
   a hash of its content signature (family, parameters, instance nonce; the nonce seeds the test inputs),
   which does not involve the seed. No instance is in both splits; a held-out instance may share its family
   and parameters with train instances and differ in its test inputs.
+- Tasks of a family with parameters have ``params.py`` (one ``NAME = repr(value)`` line per parameter,
+  sorted) in their workspace and in ``protected``: scoring restores it, so editing it cannot change what
+  the hidden tests expect. Solutions, bugs and the stub are the same text for every instance of a family.
 - ``meta["solution"]`` passes every hidden test; every entry of ``meta["bugs"]`` fails at least one (bug
   templates that happen to be correct for an instance's parameters are dropped at generation time).
 - Test files print ``PASS <call>`` / ``FAIL <call>: <detail>`` per test and a last line
@@ -66,6 +71,7 @@ TOOLS: list[dict[str, Any]] = [
 ]
 
 SOLUTION_FILE = "solution.py"
+PARAMS_FILE = "params.py"
 VISIBLE_TEST_FILE = "test_solution.py"
 HIDDEN_TEST_FILE = "_hidden_test.py"
 HELDOUT_FRACTION = 0.2
@@ -188,8 +194,27 @@ sys.exit(0 if p == len(C) else 1)
 )
 
 
-def _function_source(name: str, args: str, body: str, doc: str | None = None) -> str:
-    lines = [f"def {name}({args}):"]
+class _Symbol(str):
+    """A parameter's name standing in for its value in a template: ``{K}`` and ``{C!r}`` both give ``K``."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _symbols(params: dict[str, Any]) -> dict[str, _Symbol]:
+    return {k: _Symbol(k) for k in params}
+
+
+def params_source(params: dict[str, Any]) -> str:
+    """The ``params.py`` of an instance (see module invariants)."""
+    return "".join(f"{k} = {v!r}\n" for k, v in sorted(params.items()))
+
+
+def _function_source(
+    name: str, args: str, body: str, doc: str | None = None, params: dict[str, Any] | None = None
+) -> str:
+    lines = [f"from params import {', '.join(sorted(params))}", "", ""] if params else []
+    lines.append(f"def {name}({args}):")
     if doc is not None:
         lines.append(f'    """{doc}"""')
     lines += ["    " + ln for ln in body.split("\n")]
@@ -200,9 +225,37 @@ def _call(name: str, args: Args) -> str:
     return f"{name}({', '.join(repr(a) for a in args)})"
 
 
-def _outputs(source: str, name: str, cases: list[Args]) -> list[Any]:
+def workspace_modules(workspace: dict[str, str]) -> dict[str, str]:
+    """The importable helper modules of a task's workspace (``params.py``) as ``{module name: source}``."""
+    return {p[:-3]: src for p, src in workspace.items() if p == PARAMS_FILE}
+
+
+def _module(name: str, source: str, builtins_ns: dict[str, Any]) -> types.ModuleType:
+    """Execute ``source`` as module ``name`` with builtins ``builtins_ns`` (its imports go through them)."""
+    mod = types.ModuleType(name)
+    mod.__file__ = f"{name}.py"
+    vars(mod)["__builtins__"] = builtins_ns
+    exec(_compile(source, mod.__file__), vars(mod))
+    return mod
+
+
+def _importing(modules: dict[str, str], base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A builtins namespace whose ``__import__`` serves ``modules`` from source (trusted code only)."""
+    b = dict(base if base is not None else vars(builtins))
+    outer = b["__import__"]
+
+    def _import(name: str, *a: Any, **kw: Any) -> Any:
+        if name in modules:
+            return _module(name, modules[name], b)
+        return outer(name, *a, **kw)
+
+    b["__import__"] = _import
+    return b
+
+
+def _outputs(source: str, name: str, cases: list[Args], modules: dict[str, str]) -> list[Any]:
     """Outputs of ``name`` from ``source`` per case, or a unique failure marker where it raises."""
-    ns: dict[str, Any] = {}
+    ns: dict[str, Any] = {"__builtins__": _importing(modules)}
     exec(_compile(source, SOLUTION_FILE), ns)
     out: list[Any] = []
     for a in cases:
@@ -295,22 +348,25 @@ def generate_task(split: str, index: int, seed: int, level: int, limits: TaskLim
                 continue
             visible.append(a)
         hidden.append(a)
-    body = fam.body.format(**params)
-    solution = _function_source(name, fam.args, body)
-    want_vis = _outputs(solution, name, visible)
-    want_hid = _outputs(solution, name, hidden)
+    sym = _symbols(params)
+    modules = {PARAMS_FILE[:-3]: params_source(params)} if params else {}
+    solution = _function_source(name, fam.args, fam.body.format(**sym), params=params)
+    want_vis = _outputs(solution, name, visible, modules)
+    want_hid = _outputs(solution, name, hidden, modules)
     bugs = []
     for tmpl in fam.bugs:
-        bug = _function_source(name, fam.args, tmpl.format(**params))
-        if bug != solution and not all(map(_same, _outputs(bug, name, hidden), want_hid)):
+        bug = _function_source(name, fam.args, tmpl.format(**sym), params=params)
+        if bug != solution and not all(map(_same, _outputs(bug, name, hidden, modules), want_hid)):
             bugs.append(bug)
-    spec = fam.spec.format(**params)
+    spec = fam.spec.format(**sym)
     doc = spec[0].upper() + spec[1:] + "."
-    stub = _function_source(name, fam.args, "raise NotImplementedError", doc)
+    stub = _function_source(name, fam.args, "raise NotImplementedError", doc, params=params)
+    where = f" ({', '.join(sorted(params))} from params.py)" if params else ""
     user = (
-        f"Implement `{name}({fam.args})` in solution.py: {spec}. "
+        f"Implement `{name}({fam.args})` in solution.py: {spec}{where}. "
         f"Visible tests are in test_solution.py. Call submit when done."
     )
+    extra = {PARAMS_FILE: modules["params"]} if params else {}
     return Task(
         id=task_id(split, seed, level, index),
         prompt=[Message("system", SYSTEM_PROMPT), Message("user", user)],
@@ -319,6 +375,7 @@ def generate_task(split: str, index: int, seed: int, level: int, limits: TaskLim
             VISIBLE_TEST_FILE: test_file(
                 [(_call(name, a), w) for a, w in zip(visible, want_vis, strict=True)]
             ),
+            **extra,
         },
         hidden_tests={
             HIDDEN_TEST_FILE: hidden_test_file(
@@ -327,7 +384,7 @@ def generate_task(split: str, index: int, seed: int, level: int, limits: TaskLim
         },
         test_command=["python3", "-I", "-S", HIDDEN_TEST_FILE],
         visible_test_command=["python3", "-S", VISIBLE_TEST_FILE],
-        protected=[VISIBLE_TEST_FILE],
+        protected=[VISIBLE_TEST_FILE, *extra],
         limits=limits or default_limits(),
         meta={
             "family": fam.name,
@@ -385,9 +442,12 @@ class _Exit(Exception):
         self.code = code
 
 
-def run_test_file_inprocess(test_source: str, solution_source: str) -> tuple[str, int]:
+def run_test_file_inprocess(
+    test_source: str, solution_source: str, modules: dict[str, str] | None = None
+) -> tuple[str, int]:
     """Run a generated test file against ``solution_source`` in this process: ``(stdout, exit_code)``.
 
+    ``modules``: the workspace's other importable modules (``workspace_modules(task.workspace)``).
     Only for trusted code (reference solutions and bug variants): it emulates ``python3 test_file`` by giving
     the runner a private ``print``, ``import`` and ``sys.exit``. Tests check that it matches a sandboxed run.
     """
@@ -404,13 +464,10 @@ def run_test_file_inprocess(test_source: str, solution_source: str) -> tuple[str
         if name == "sys":
             return types.SimpleNamespace(exit=_exit)
         if name == "solution":
-            mod = types.ModuleType("solution")
-            mod.__file__ = SOLUTION_FILE
-            exec(_compile(solution_source, SOLUTION_FILE), vars(mod))
-            return mod
+            return _module("solution", solution_source, b)
         return builtins.__import__(name, *a, **kw)
 
-    b = dict(vars(builtins), print=_print, __import__=_import)
+    b = _importing(modules or {}, dict(vars(builtins), print=_print, __import__=_import))
     try:
         g = {"__builtins__": b, "__name__": "__main__"}
         if test_source.endswith(HIDDEN_RUNNER):  # the grader's checks and output are RUNNER's

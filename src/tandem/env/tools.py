@@ -150,7 +150,7 @@ def execute_tool(sandbox: Any, task: Task, call: dict[str, Any]) -> ToolResult:
         if name == "read_file":
             return ToolResult(read_message(_text(sandbox.read(path))))
         if path in task.protected:
-            return _err(f"write_file: {path} is protected (visible tests); edit solution.py instead")
+            return _err(f"write_file: {path} is protected (a task file); edit solution.py instead")
         if len(args["content"]) > MAX_FILE_CHARS:
             return _err(
                 f"write_file: content has {len(args['content'])} chars, the limit is {MAX_FILE_CHARS}"
