@@ -20,6 +20,7 @@ def test_bench_sync_prints_its_json_and_the_delta_is_far_smaller():
                 "full_reload_ms", "tokens_per_s_during_sync_ratio"):  # fmt: skip
         assert key in out, key
     assert out["size"] == "default" and out["model_params"] > 1_000_000
+    assert out["host_share"] is True and out["shared_syncs_frac"] == 0.0  # one engine: nothing to share
     assert 0 < out["density"] < 0.5
     assert 0 < out["delta_bytes"] * 10 < out["full_bytes"] < out["raw_bytes"]
     assert out["pause_ms"] > 0 and out["full_reload_ms"] > 0 and out["tokens_per_s_quiet"] > 0

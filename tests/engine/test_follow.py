@@ -141,3 +141,63 @@ def test_sync_work_runs_below_the_process_priority_and_bad_nice_is_refused(serve
         EngineWeightSync(engine, server.url, nice=25)
     with pytest.raises(ConfigError, match="follow_nice"):
         load_config(overrides=["weights.follow_nice=-1"])
+
+
+def _assert_serves(engine, published):
+    state = engine.model.state_dict()
+    for name, bits in published.items():
+        assert torch.equal(state[name], torch.from_numpy(bits).view(torch.bfloat16).float()), name
+
+
+def test_engines_of_a_host_share_one_decode_per_delta_and_never_apply_a_bad_patch(served, tmp_path):
+    """Three engines follow one store through a host share: per delta one downloads and decodes it, the
+    others apply its verified patch (nothing downloaded); a lagging engine applies a chain of patches; a
+    corrupt patch file is never applied (the engine follows the store itself); every engine ends on exactly
+    the published bits."""
+    from tandem.weights.hostshare import HostShare
+
+    store, server = served
+    trainer_model = _model()
+    publisher = WeightPublisher(store, keep_versions=10)
+    share = HostShare(tmp_path / "share", keep=4)
+    engines = [BuiltinEngine(_model(), EngineConfig(max_batch=2, max_seq_len=64)) for _ in range(3)]
+    syncs = [EngineWeightSync(e, server.url, share=share) for e in engines]
+    g = torch.Generator().manual_seed(3)
+    try:
+        publisher.publish(0, _bf16_state(trainer_model))
+        assert all(s.sync(0)["full"] for s in syncs)  # full reloads are never shared
+        assert not list(share.path.glob("*.patch"))
+        for version in (1, 2):
+            _step(trainer_model, g)
+            publisher.publish(version, _bf16_state(trainer_model))
+            lead, *rest = [syncs[0].sync(version), syncs[1].sync(version)]
+            assert lead["shared_steps"] == 0 and lead["downloaded_bytes"] > 0
+            assert rest[0]["shared_steps"] == 1 and rest[0]["downloaded_bytes"] == 0
+            assert rest[0]["patched_elements"] == lead["patched_elements"] > 0
+            _assert_serves(engines[1], _bf16_state(trainer_model))
+        # The third engine is two versions behind: it applies the chain 0 -> 1 -> 2 from the share.
+        lag = syncs[2].sync(2)
+        assert lag["shared_steps"] == 2 and lag["downloaded_bytes"] == 0
+        _assert_serves(engines[2], _bf16_state(trainer_model))
+        # A corrupt patch (one flipped byte) is not applied: the reader follows the store itself.
+        _step(trainer_model, g)
+        publisher.publish(3, _bf16_state(trainer_model))
+        syncs[0].sync(3)
+        (path,) = share.path.glob("00000002-00000003.patch")
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+        assert share.read(2, 3) is None
+        out = syncs[1].sync(3)
+        assert out["shared_steps"] == 0 and out["downloaded_bytes"] > 0 and not out["recovered"]
+        for e in engines[:2]:
+            _assert_serves(e, _bf16_state(trainer_model))
+        # The reader that followed the store rewrote an intact patch; the writer keeps the newest `keep`.
+        assert share.read(2, 3) is not None
+        assert len(list(share.path.glob("*.patch"))) <= 4
+        assert all(s.recoveries == 0 for s in syncs)
+    finally:
+        for s in syncs:
+            s.close()
+    with pytest.raises(ValueError, match="keep=0"):
+        HostShare(tmp_path / "other", keep=0)

@@ -57,7 +57,9 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
     assert ev["n"] == 4 and 0.0 <= ev["pass@1"] <= 1.0
     assert (run_dir / "final_model" / "config.json").is_file()
 
-    # resume in sync mode: continue from the last checkpoint (step 3) to step 4, with zero staleness
+    # resume in sync mode with two engines: continue from the last checkpoint (step 3) to step 4, with zero
+    # staleness; one engine decodes the delta and the other applies its patch from the host share
+    shares_before = set(Path("/dev/shm").glob("tandem-share-*"))
     r = tandem(
         "train",
         "--preset",
@@ -71,12 +73,16 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
         "eval.before_after=false",
         "--set",
         "orchestrator.mode=sync",
+        "--set",
+        "engine.num_engines=2",
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3, 4]
     assert rows[-1]["staleness_max"] == 0 and rows[-1]["version"] == 4
     assert rows[-1]["engine_pause_s"] > 0 and rows[-1]["weight_recoveries"] == 0
+    assert rows[-1]["weight_shared_frac"] == 0.5
+    assert set(Path("/dev/shm").glob("tandem-share-*")) == shares_before  # the run removed its share
 
 
 def test_invalid_config_refuses_to_start_and_names_the_field(tmp_path):

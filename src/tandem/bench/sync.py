@@ -26,6 +26,11 @@ Measured, in order:
    nothing cached at the relays); the time from publish to every engine serving it through a full reload;
    ``full_reload_ms`` is the largest engine pause of that reload.
 4. ``bound_s`` = compressed bytes of one delta / link bandwidth (relays fetch in parallel, one link each).
+With ``host_share`` (the default, like a run with several engines) the engines share one host share
+(``tandem.weights.hostshare``): per delta one engine downloads, decodes and verifies it, and the others apply
+its verified patch; ``shared_syncs_frac`` is the fraction of engine syncs served that way.
+``--no-host-share`` measures every engine following the store on its own.
+
 5. ``tokens_per_s_during_sync_ratio``: engine 0 decodes a steady load throughout; its tokens/s while delta
    syncs are in flight divided by its tokens/s in a quiet window of the same length right after them.
 """
@@ -44,6 +49,7 @@ import ray
 
 from tandem.core.config import EngineConfig
 from tandem.orchestrator.actors import RelayActor
+from tandem.weights.hostshare import default_share_root
 
 SIZES = ("100m", "default")
 DEFAULT_LR = {"100m": 1e-6, "default": 2e-6}
@@ -65,10 +71,10 @@ class _BenchEngine:
         self.sync_obj: Any = None
         self._load = False
 
-    def follow(self, urls: list[str]) -> None:
+    def follow(self, urls: list[str], share: str | None = None) -> None:
         from tandem.engine.follow import EngineWeightSync
 
-        self.sync_obj = EngineWeightSync(self.engine, urls, connections=4)
+        self.sync_obj = EngineWeightSync(self.engine, urls, connections=4, share=share)
 
     def sync(self, version: int) -> dict[str, Any]:
         return self.sync_obj.sync(version)
@@ -131,6 +137,7 @@ def run_sync_bench(
     lr: float | None = None,
     warmup: int = 3,
     size: str = "100m",
+    host_share: bool = True,
 ) -> dict[str, Any]:
     """Run the benchmark of the module docstring; returns its JSON object. ``model_path`` is the shipped
     model (``size="default"`` serves it; other sizes take its tokenizer)."""
@@ -143,6 +150,7 @@ def run_sync_bench(
         raise ValueError(f"size {size!r} is not one of {list(SIZES)}")
     lr = DEFAULT_LR[size] if lr is None else lr
     root = Path(tempfile.mkdtemp(prefix="tandem-bench-sync-"))
+    share = tempfile.mkdtemp(prefix="tandem-bench-share-", dir=default_share_root()) if host_share else None
     model_path = _model_dir(size, model_path, root)
     versions = _versions(model_path, deltas, lr, warmup)
     if not ray.is_initialized():
@@ -163,7 +171,7 @@ def run_sync_bench(
             relay_sets.append(ray.get([r.url.remote() for r in rs]))
         eng = [_BenchEngine.remote(model_path) for _ in range(engines)]
         actors += eng
-        ray.get([e.follow.remote([relay_sets[0][i % relays]]) for i, e in enumerate(eng)])
+        ray.get([e.follow.remote([relay_sets[0][i % relays]], share) for i, e in enumerate(eng)])
         publisher.publish(0, versions[0])
         ray.get([e.sync.remote(0) for e in eng])
 
@@ -173,6 +181,7 @@ def run_sync_bench(
         tokens_during = 0
         publish_s: list[float] = []
         parts: dict[str, list[float]] = {"fetch_s": [], "decode_s": [], "pause_s": [], "total_s": []}
+        shared_steps = 0
         for v in range(1, deltas + 1):
             t0 = time.time()
             tok0 = ray.get(eng[0].tokens.remote())
@@ -181,6 +190,7 @@ def run_sync_bench(
             results = ray.get([e.sync.remote(v) for e in eng])
             for key in parts:
                 parts[key].append(float(np.mean([r[key] for r in results])))
+            shared_steps += sum(r["shared_steps"] for r in results)
             tok1 = ray.get(eng[0].tokens.remote())
             delta_times.append(max(r["live_at"] for r in results) - t0)
             pauses.append(max(r["pause_s"] for r in results))
@@ -218,6 +228,8 @@ def run_sync_bench(
             "bandwidth_mbps": bandwidth_mbps,
             "relays": relays,
             "engines": engines,
+            "host_share": host_share,
+            "shared_syncs_frac": round(shared_steps / (deltas * engines), 3),
             "lr": lr,
             "density": round(float(np.mean(changed)), 5),
             "delta_bytes": int(mean_delta_bytes),
@@ -255,3 +267,5 @@ def run_sync_bench(
         store.close()
         full_store.close()
         shutil.rmtree(root, ignore_errors=True)
+        if share is not None:
+            shutil.rmtree(share, ignore_errors=True)

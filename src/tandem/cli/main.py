@@ -277,6 +277,13 @@ def bench_sync(
         str,
         typer.Option(help="100m: random-init 100M-param Qwen3 with --model's tokenizer; default: --model"),
     ] = "100m",
+    host_share: Annotated[
+        bool,
+        typer.Option(
+            "--host-share/--no-host-share",
+            help="Engines on this host share one decode per delta (a run's default with several engines).",
+        ),
+    ] = True,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Publish -> relays -> engines: time to serve a new version as a delta vs as a full checkpoint."""
@@ -285,7 +292,9 @@ def bench_sync(
     from tandem.bench.sync import run_sync_bench
 
     try:
-        out = run_sync_bench(path, relays, engines, bandwidth_mbps, deltas, lr, size=size)
+        out = run_sync_bench(
+            path, relays, engines, bandwidth_mbps, deltas, lr, size=size, host_share=host_share
+        )
     except ValueError as e:
         fail(str(e))
     typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))

@@ -442,6 +442,11 @@ class WeightsConfig(Section):
     here). 0: engines fetch from the store server directly."""
     bandwidth_mbps: float = 0.0
     """Throttle of each relay's upstream link (Mbit/s) to simulate a WAN; 0 = unthrottled."""
+    host_share: bool = True
+    """With more than one engine: the engines of a host share one download, decode and verification of
+    each delta through a host-local directory (``tandem.weights.hostshare``; under ``/dev/shm``); the first
+    engine to need a step writes its verified patch and the others apply it. False: every engine follows
+    the store on its own."""
 
 
 class OrchestratorConfig(Section):

@@ -10,6 +10,10 @@ Invariants:
 - The engine is only ever given weights the follower verified against the store's recorded hash
   (``tandem.weights.follow``); if verification and the snapshot recovery both fail, the engine keeps its
   current version and the error propagates.
+- With a host share (``tandem.weights.hostshare``), the engines of one host take turns under the share's
+  lock: an engine at version ``a`` first looks for verified patches ``a -> b`` another engine wrote and
+  applies them to its shadow and its weights; only when there is none does it advance from the store
+  itself, and then it writes its verified patch for the others. Full reloads are never shared.
 - Published tensors omit tied duplicates (``lm_head`` tied to the embeddings): patching the published name
   patches the shared storage and every derived buffer built from it.
 """
@@ -25,9 +29,11 @@ from typing import Any
 
 import numpy as np
 
+from tandem.core.errors import TandemError
 from tandem.engine.builtin import BuiltinEngine
 from tandem.weights.client import WeightClient
-from tandem.weights.follow import WeightFollower
+from tandem.weights.follow import Advance, WeightFollower
+from tandem.weights.hostshare import HostShare, Patches
 
 
 class EngineWeightSync:
@@ -40,17 +46,19 @@ class EngineWeightSync:
         connections: int = 4,
         threads: int = 1,
         nice: int = 10,
+        share: HostShare | str | None = None,
     ) -> None:
         if not 0 <= nice <= 19:
             raise ValueError(f"nice={nice} must be in [0, 19] (0: the sync runs at the process's priority)")
         self.engine = engine
+        self.share = HostShare(share) if isinstance(share, str) else share
         self.follower = WeightFollower(WeightClient(urls, parallel=connections), threads=threads)
         self._lock = threading.Lock()  # one sync at a time; a later call catches up to its own target
         self._worker = ThreadPoolExecutor(1, "weight-sync", initializer=_lower_priority, initargs=(nice,))
         self.stats: dict[str, float] = {
             "syncs": 0, "full_reloads": 0, "pause_s_total": 0.0, "pause_s_last": 0.0,
             "full_reload_s_last": 0.0, "fetch_s_total": 0.0, "decode_s_total": 0.0,
-            "downloaded_bytes": 0, "patched_elements": 0,
+            "downloaded_bytes": 0, "patched_elements": 0, "shared_patches": 0, "shared_read_s_total": 0.0,
         }  # fmt: skip
 
     @property
@@ -62,6 +70,41 @@ class EngineWeightSync:
         until done; the work runs on the follower's lower-priority worker thread."""
         return self._worker.submit(self._sync, target).result()
 
+    def _advance(self, target: int | None) -> Advance:
+        """Advance the follower to ``target``: through the host share's patches as far as they reach, then
+        from the store (see module invariants)."""
+        start = self.follower.version
+        if self.share is None or start is None or self.follower.shadow is None:
+            return self.follower.advance(target)
+        if target is None:
+            target = self.follower.latest()
+            if target is None:
+                raise TandemError("the weight store has no published version yet")
+        with self.share.lock():
+            t0 = time.perf_counter()
+            shared: dict[str, np.ndarray | None] = {}
+            while (a := self.follower.version) is not None and a < target:
+                got = self.share.read(a, target)
+                if got is None:
+                    break
+                b, step = got
+                self.follower.apply_patch(a, b, step)
+                self.stats["shared_patches"] += 1
+                for name, (index, _) in step.items():
+                    shared[name] = _union(shared.get(name, np.empty(0, np.int64)), index)
+            self.stats["shared_read_s_total"] += time.perf_counter() - t0
+            if self.follower.version == target:
+                return Advance(target, False, shared)
+            mid = self.follower.version
+            adv = self.follower.advance(target)
+            if not adv.full and mid is not None and self.follower.shadow is not None:
+                self.share.write(mid, target, _patches(adv.changes, self.follower.shadow))
+        if adv.full:
+            return adv
+        for name, idx in shared.items():  # what the share moved before the store took over
+            adv.changes[name] = _union(adv.changes[name], idx) if name in adv.changes else idx
+        return adv
+
     def close(self) -> None:
         self._worker.shutdown(wait=True)
 
@@ -70,7 +113,8 @@ class EngineWeightSync:
             if target is not None and self.engine.version >= target and self.follower.version is not None:
                 return {"version": self.engine.version, "pause_s": 0.0, "skipped": True}
             t0 = time.perf_counter()
-            adv = self.follower.advance(target)
+            shared_before = self.stats["shared_patches"]
+            adv = self._advance(target)
             shadow = self.follower.shadow
             assert shadow is not None and self.follower.version == adv.version
             if adv.full:
@@ -80,11 +124,7 @@ class EngineWeightSync:
                 self.stats["full_reload_s_last"] = pause
                 patched = sum(int(t.size) for t in shadow.values())
             else:
-                patches = {}
-                for name, idx in adv.changes.items():
-                    flat = shadow[name].reshape(-1)
-                    index = np.arange(flat.size, dtype=np.int64) if idx is None else idx
-                    patches[name] = (index, flat[index])
+                patches = _patches(adv.changes, shadow)
                 live: list[float] = []
                 pause = self.engine.patch_weights(adv.version, patches, lambda: live.append(time.time()))
                 live_at = live[0]
@@ -108,6 +148,7 @@ class EngineWeightSync:
                 "patched_elements": patched,
                 "total_s": time.perf_counter() - t0,
                 "live_at": live_at,  # wall clock when the engine started serving this version
+                "shared_steps": int(self.stats["shared_patches"] - shared_before),  # patches from the share
             }
 
 
@@ -121,3 +162,21 @@ def _lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice))
     except OSError:  # not permitted here: keep the process's priority
         pass
+
+
+def _union(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
+    """Sorted union of two flat index sets; None (the whole tensor) absorbs anything."""
+    if a is None or b is None:
+        return None
+    return b if a.size == 0 else np.union1d(a, b)
+
+
+def _patches(changes: dict[str, np.ndarray | None], shadow: dict[str, np.ndarray]) -> Patches:
+    """The engine patch of ``changes``: per tensor its changed flat indices (all of them for None) and the
+    shadow's values there."""
+    out: Patches = {}
+    for name, idx in changes.items():
+        flat = shadow[name].reshape(-1)
+        index = np.arange(flat.size, dtype=np.int64) if idx is None else idx
+        out[name] = (index, flat[index])
+    return out

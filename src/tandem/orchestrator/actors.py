@@ -46,7 +46,13 @@ def _set_threads(n: int) -> None:
 class EngineActor:
     """Serves ``generate`` for rollout workers from one engine (``engine.kind``); applies verified updates."""
 
-    def __init__(self, cfg: RunConfig, seed: int = 0, weight_urls: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        seed: int = 0,
+        weight_urls: list[str] | None = None,
+        weight_share: str | None = None,
+    ) -> None:
         _set_threads(cfg.engine.threads)
         from tandem.engine import create_engine
 
@@ -64,7 +70,7 @@ class EngineActor:
 
             w = cfg.weights
             self.weight_sync = EngineWeightSync(
-                self.engine, weight_urls, w.connections, w.codec_threads, w.follow_nice
+                self.engine, weight_urls, w.connections, w.codec_threads, w.follow_nice, share=weight_share
             )
 
     async def follow(self, version: int) -> dict[str, Any]:

@@ -101,9 +101,10 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
     buffer = BufferActor.remote(o.buffer_max_groups)
     try:
         urls = weights.engine_urls(trainer, cfg.engine.num_engines, run_dir)
+        share = weights.engine_share(cfg.engine.num_engines)
         engines = [
             EngineActor.options(num_cpus=cfg.engine.threads, name=f"tandem-engine-{i}").remote(
-                cfg, seed=cfg.train.seed + i, weight_urls=urls[i]
+                cfg, seed=cfg.train.seed + i, weight_urls=urls[i], weight_share=share
             )
             for i in range(cfg.engine.num_engines)
         ]
@@ -119,6 +120,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
             weights.start(trainer, engines, version)
     except Exception as e:
         _teardown([*workers, *engines, trainer, buffer, *weights.actors()])
+        weights.remove_share()
         cause = getattr(e, "cause", None) or e
         raise TandemError(f"the run could not start: {type(cause).__name__}: {cause}") from e
 
@@ -181,6 +183,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
             (run_dir / "rollout_errors.log").write_text("\n".join(errors))
         logger.close()
         _teardown([*workers, *engines, trainer, buffer, *weights.actors()])
+        weights.remove_share()
         cause = getattr(e, "cause", None) or e
         raise TandemError(
             f"training stopped at step {step}: {type(cause).__name__}: {cause}"

@@ -6,6 +6,8 @@ Two transports (``weights.transport``):
   new version as a lossless bf16 delta (full snapshot every ``snapshot_every``), and every engine fetches,
   verifies and patches it in place (``EngineActor.follow``), through ``weights.relays`` relay actors when
   configured (each engine lists its relay first and the store server second, so a dead relay is survived).
+  With several engines and ``weights.host_share``, the engines of a host share one decode of each delta
+  through a host-local share directory (``tandem.weights.hostshare``) that ``finish`` removes.
 - ``"object_store"``: the full tensors as one ``WeightUpdate`` through Ray's object store, verified by hash.
 
 Invariants:
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import shutil
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,7 @@ class WeightPath:
                 # The run's own store restarts with the run (a resume republishes its version as a snapshot).
                 shutil.rmtree(self.store)
         self.relays: list[Any] = []
+        self.share_dir: str | None = None
         self._pending: list[Any] = []
         self.last: dict[str, float] = {}
         self.totals = {"delta_bytes": 0, "raw_bytes": 0, "publishes": 0}
@@ -64,6 +68,17 @@ class WeightPath:
         return [
             ([relay_urls[i % len(relay_urls)]] if relay_urls else []) + [upstream] for i in range(n_engines)
         ]
+
+    def engine_share(self, n_engines: int) -> str | None:
+        """The host share directory the engines use (None with one engine, on the object-store path, or
+        with ``weights.host_share`` off). Engines on another host create the same path in their own
+        ``/dev/shm``, so each host shares among its own engines."""
+        if not (self.delta and self.cfg.weights.host_share and n_engines > 1):
+            return None
+        from tandem.weights.hostshare import default_share_root
+
+        self.share_dir = str(default_share_root() / f"tandem-share-{uuid.uuid4().hex[:16]}")
+        return self.share_dir
 
     def start(self, trainer, engines, version: int) -> None:
         """Make every engine serve ``version`` as published before anything is generated."""
@@ -111,6 +126,8 @@ class WeightPath:
             "engine_pause_s": max(r["pause_s"] for r in results),
             "engine_fetch_s": max(r.get("fetch_s", 0.0) + r.get("decode_s", 0.0) for r in results),
             "weight_recoveries": float(sum(bool(r.get("recovered")) for r in results)),
+            # engines that took this version from the host share instead of decoding it themselves
+            "weight_shared_frac": sum(r.get("shared_steps", 0) > 0 for r in results) / len(results),
         }
 
     def finish(self, trainer) -> None:
@@ -119,7 +136,13 @@ class WeightPath:
             try:
                 self._collect()
             finally:
+                self.remove_share()
                 ray.get(trainer.close_store.remote())
+
+    def remove_share(self) -> None:
+        """Delete this host's share directory (no engine may sync afterwards)."""
+        if self.share_dir is not None:
+            shutil.rmtree(self.share_dir, ignore_errors=True)
 
     def actors(self) -> list[Any]:
         return list(self.relays)

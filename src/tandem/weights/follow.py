@@ -130,6 +130,25 @@ class WeightFollower:
             else:
                 out.changes[name] = idx
 
+    def apply_patch(self, a: int, b: int, patches: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Move the shadow from version ``a`` to ``b`` by a verified patch another follower of the same store
+        made (``tandem.weights.hostshare``); refused unless the shadow is at exactly ``a``."""
+        if self.shadow is None or self.version != a:
+            raise ShadowMismatchError(
+                f"a patch {a} -> {b} applies to version {a}, the shadow is at {self.version}"
+            )
+        for name in patches:
+            if name not in self.shadow or not self.shadow[name].flags.c_contiguous:
+                raise ShadowMismatchError(
+                    f"a patch {a} -> {b} names {name!r}, which the shadow does not hold"
+                )
+        shadow = self.shadow
+        self.shadow, self.version = None, None
+        for name, (index, values) in patches.items():
+            shadow[name].reshape(-1)[index] = values
+        self.shadow, self.version = shadow, b
+        self.stats["shared_patches"] = self.stats.get("shared_patches", 0) + 1
+
     @staticmethod
     def _verify(shadow: dict[str, np.ndarray], step: PlanStep) -> None:
         actual = tensors_hash(shadow)

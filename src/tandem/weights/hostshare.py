@@ -1,0 +1,153 @@
+"""Share one download, decode and verification of each weight version among the engines of one host.
+
+Engines that follow a store on their own each download, decode and hash every version: with N engines on
+a host that is N times the CPU for the same result, taken from the CPU that serves. A host share is a
+directory on a host-local filesystem (``/dev/shm`` where it exists) in which the first engine to need a
+version step ``a -> b`` (the step's *leader*) writes its verified patch: for every changed tensor the flat
+indices and the new values. The other engines read the patch and apply it to their shadow and their
+weights without downloading or decoding anything.
+
+Invariants:
+- A leader writes a patch only after its own shadow reached version ``b`` and was verified against the
+  store's hash of ``b``, starting from its verified version ``a``; the file appears by an atomic rename.
+- A patch file carries a BLAKE3 digest of its body, checked on every read; a file that is missing,
+  truncated, corrupt or for another step is never applied: ``read`` returns None and the caller follows the
+  store itself.
+- A patch ``a -> b`` is applied only to a shadow at exactly version ``a``; applied to version ``a``'s
+  verified weights it gives version ``b``'s verified weights (``apply_to_shadow`` checks the version).
+- ``lock()`` is an exclusive ``flock`` on the share's lock file: a process holds it while it looks for a
+  patch and, when there is none, while it advances and writes one, so the other engines of the host wait
+  for that patch instead of decoding the same step in parallel. Locks end with their process.
+- The writer keeps the newest ``keep`` patch files and removes older ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import struct
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import blake3
+import numpy as np
+
+Patches = dict[str, tuple[np.ndarray, np.ndarray]]
+"""Tensor name -> (sorted flat int64 indices, new values at them), values in the shadow's dtype."""
+
+MAGIC = b"TPATCH1\n"
+_LEN = struct.Struct("<Q")
+
+
+def default_share_root() -> Path:
+    """``/dev/shm`` (memory-backed, host-local) when it exists, else the temporary directory."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+class HostShare:
+    """A host share directory (see module invariants). ``path`` is created if needed."""
+
+    def __init__(self, path: str | os.PathLike[str], keep: int = 8) -> None:
+        if keep < 1:
+            raise ValueError(f"keep={keep} must be >= 1: the newest patch must stay readable")
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self._lock_path = self.path / "lock"
+
+    def _file(self, a: int, b: int) -> Path:
+        return self.path / f"{a:08d}-{b:08d}.patch"
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the share's exclusive lock (blocks until it is free)."""
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def write(self, a: int, b: int, patches: Patches) -> Path:
+        """Publish the verified patch ``a -> b`` (atomic); returns its path."""
+        header: list[dict[str, object]] = []
+        parts: list[bytes] = []
+        for name in sorted(patches):
+            index, values = patches[name]
+            index = np.ascontiguousarray(index, dtype=np.int64)
+            values = np.ascontiguousarray(values)
+            if index.shape != values.shape or index.ndim != 1:
+                raise ValueError(f"patch of {name!r}: indices {index.shape} and values {values.shape} differ")
+            header.append({"name": name, "n": int(index.size), "dtype": values.dtype.str})
+            parts += [index.tobytes(), values.tobytes()]
+        head = json.dumps({"from": a, "to": b, "tensors": header}).encode()
+        h = blake3.blake3(head)
+        for p in parts:
+            h.update(p)
+        final = self._file(a, b)
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".tmp-", suffix=".patch")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(MAGIC + h.digest() + _LEN.pack(len(head)) + head)
+                for p in parts:
+                    f.write(p)
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        self._collect()
+        return final
+
+    def read(self, a: int, upto: int) -> tuple[int, Patches] | None:
+        """The patch from version ``a`` to the newest version ``b <= upto`` one reaches, as ``(b, patches)``,
+        or None when there is none or it fails its digest."""
+        found = [b for f in self.path.glob(f"{a:08d}-*.patch") if a < (b := int(f.name[9:17])) <= upto]
+        if not found:
+            return None
+        b = max(found)
+        try:
+            with open(self._file(a, b), "rb") as f:
+                data = bytearray(os.fstat(f.fileno()).st_size)  # writable: the arrays become tensors
+                if f.readinto(data) != len(data):
+                    return None
+        except OSError:
+            return None
+        return (b, patches) if (patches := _parse(data, a, b)) is not None else None
+
+    def _collect(self) -> None:
+        files = sorted(self.path.glob("*.patch"), key=lambda p: p.name[9:17])
+        for old in files[: -self.keep]:
+            with contextlib.suppress(OSError):
+                old.unlink()
+
+
+def _parse(data: bytearray, a: int, b: int) -> Patches | None:
+    """The patches of a patch file's bytes, or None if they are not an intact patch ``a -> b``."""
+    start = len(MAGIC) + 32 + _LEN.size
+    if len(data) < start or not data.startswith(MAGIC):
+        return None
+    digest = data[len(MAGIC) : len(MAGIC) + 32]
+    (head_len,) = _LEN.unpack_from(data, len(MAGIC) + 32)
+    if blake3.blake3(memoryview(data)[start:]).digest() != digest:
+        return None
+    try:
+        head = json.loads(data[start : start + head_len])
+    except ValueError:
+        return None
+    if head.get("from") != a or head.get("to") != b:
+        return None
+    out: Patches = {}
+    pos = start + head_len
+    for t in head["tensors"]:
+        n, dtype = int(t["n"]), np.dtype(t["dtype"])
+        index = np.frombuffer(data, np.int64, n, pos)
+        pos += 8 * n
+        values = np.frombuffer(data, dtype, n, pos)
+        pos += dtype.itemsize * n
+        out[t["name"]] = (index, values)
+    return out if pos == len(data) else None
