@@ -41,6 +41,7 @@ def test_overrides_parse_toml_values(tmp_path):
         ("train.is_correction=magic", "train.is_correction"),
         ("tasks.source=mbpp", "tasks.source"),
         ("engine.double_buffer_weights=maybe", "engine.double_buffer_weights"),
+        ("weights.host_share=sometimes", "weights.host_share"),
     ],
 )
 def test_invalid_config_names_the_field(override, needle):

@@ -70,19 +70,20 @@ class EngineWeightSync:
         until done; the work runs on the follower's lower-priority worker thread."""
         return self._worker.submit(self._sync, target).result()
 
-    def _advance(self, target: int | None) -> Advance:
+    def _advance(self, target: int | None) -> tuple[Advance, Patches | None]:
         """Advance the follower to ``target``: through the host share's patches as far as they reach, then
-        from the store (see module invariants)."""
+        from the store (see module invariants). Also returns the engine patch when it is already at hand
+        (one shared step, or the patch this engine wrote for the others), so it is not gathered twice."""
         start = self.follower.version
         if self.share is None or start is None or self.follower.shadow is None:
-            return self.follower.advance(target)
+            return self.follower.advance(target), None
         if target is None:
             target = self.follower.latest()
             if target is None:
                 raise TandemError("the weight store has no published version yet")
+        steps: list[Patches] = []
         with self.share.lock():
             t0 = time.perf_counter()
-            shared: dict[str, np.ndarray | None] = {}
             while (a := self.follower.version) is not None and a < target:
                 got = self.share.read(a, target)
                 if got is None:
@@ -90,20 +91,27 @@ class EngineWeightSync:
                 b, step = got
                 self.follower.apply_patch(a, b, step)
                 self.stats["shared_patches"] += 1
-                for name, (index, _) in step.items():
-                    shared[name] = _union(shared.get(name, np.empty(0, np.int64)), index)
+                steps.append(step)
             self.stats["shared_read_s_total"] += time.perf_counter() - t0
+            shared: dict[str, np.ndarray | None] = {}
+            for step in steps:
+                for name, (index, _) in step.items():
+                    shared[name] = _union(shared[name], index) if name in shared else index
             if self.follower.version == target:
-                return Advance(target, False, shared)
+                return Advance(target, False, shared), steps[0] if len(steps) == 1 else None
             mid = self.follower.version
             adv = self.follower.advance(target)
+            written = None
             if not adv.full and mid is not None and self.follower.shadow is not None:
-                self.share.write(mid, target, _patches(adv.changes, self.follower.shadow))
+                written = _patches(adv.changes, self.follower.shadow)
+                self.share.write(mid, target, written)
         if adv.full:
-            return adv
+            return adv, None
+        if not shared:
+            return adv, written
         for name, idx in shared.items():  # what the share moved before the store took over
             adv.changes[name] = _union(adv.changes[name], idx) if name in adv.changes else idx
-        return adv
+        return adv, None
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
@@ -114,7 +122,7 @@ class EngineWeightSync:
                 return {"version": self.engine.version, "pause_s": 0.0, "skipped": True}
             t0 = time.perf_counter()
             shared_before = self.stats["shared_patches"]
-            adv = self._advance(target)
+            adv, ready = self._advance(target)
             shadow = self.follower.shadow
             assert shadow is not None and self.follower.version == adv.version
             if adv.full:
@@ -124,7 +132,7 @@ class EngineWeightSync:
                 self.stats["full_reload_s_last"] = pause
                 patched = sum(int(t.size) for t in shadow.values())
             else:
-                patches = _patches(adv.changes, shadow)
+                patches = ready if ready is not None else _patches(adv.changes, shadow)
                 live: list[float] = []
                 pause = self.engine.patch_weights(adv.version, patches, lambda: live.append(time.time()))
                 live_at = live[0]
@@ -168,7 +176,7 @@ def _union(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
     """Sorted union of two flat index sets; None (the whole tensor) absorbs anything."""
     if a is None or b is None:
         return None
-    return b if a.size == 0 else np.union1d(a, b)
+    return np.union1d(a, b)
 
 
 def _patches(changes: dict[str, np.ndarray | None], shadow: dict[str, np.ndarray]) -> Patches:
