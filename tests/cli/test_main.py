@@ -92,8 +92,10 @@ def test_bench_sandbox_json_shape_and_bad_counts():
     assert out["n"] == 6 and out["pool_hits"] + out["pool_misses"] == 6
     for key in ("p50_ms", "p99_ms", "plain_p50_ms", "per_s", "clone_ms_1mb", "clone_ms_4mb", "targets"):
         assert key in out, key
+    assert out["scratch"] in ("tmpfs", "disk")
     for args, flag in (
         (["--n", "0"], "--n"),
+        (["--scratch", "ram"], "--scratch"),
         (["--pool-size", "-1"], "--pool-size"),
         (["--big-mb", "1"], "--big-mb"),
     ):

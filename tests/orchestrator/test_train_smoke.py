@@ -34,6 +34,10 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
     assert not any("pairs" in k for r in rows for k in r)
     assert all(row["staleness_max"] <= 2 for row in rows)
     assert rows[-1]["version"] == 3
+    # every step prefilled prompt tokens; multi-turn sessions reuse their parked KV for some of them
+    assert all(row["engine_prefill_tokens"] > 0 for row in rows)
+    assert all(0.0 <= row["engine_prefix_hit_frac"] < 1.0 for row in rows)
+    assert max(row["engine_prefix_hit_frac"] for row in rows) > 0.0
     # The default weight path: each version went to the run's store as a lossless delta, far smaller than
     # the bf16 weights, and the engine fetched and patched it without a recovery.
     assert all(row["weight_delta_bytes"] > 0 and row["weight_ratio"] > 2 for row in rows)

@@ -208,3 +208,50 @@ def test_etc_holds_only_the_listed_files_read_only(cfg: SandboxConfig) -> None:
         listed = r.stdout.split("\n")[: len(present)]
         assert listed == present, r.stdout
         assert Path("/etc/passwd").read_text() in r.stdout and r.exit_code != 0
+
+
+@needs_overlay
+def test_overlay_scratch_is_tmpfs_charged_to_the_memory_cgroup(tmp_path: Path) -> None:
+    import tempfile
+
+    from tandem.sandbox.base import TMPFS_SCRATCH, _writable_tmpfs
+    from tandem.sandbox.limits import Cgroup
+
+    probe = Cgroup(64, 16)
+    has_memory = probe.has_memory
+    probe.remove()
+    if not (has_memory and _writable_tmpfs(TMPFS_SCRATCH)):
+        pytest.skip("needs a cgroup v1 memory controller and a writable /dev/shm tmpfs")
+    cfg = SandboxConfig(timeout_s=20.0, memory_mb=96, file_mb=64)
+    with create_sandbox({"a.txt": "x\n"}, cfg) as sb:
+        assert sb.mode == "overlay" and sb.scratch == TMPFS_SCRATCH
+        assert sb.workdir.is_relative_to(TMPFS_SCRATCH)
+        # What commands write lives in memory and counts against the sandbox's memory limit: 4 x 30 MB of
+        # files in a 96 MB sandbox get the writer killed and reported, and the host keeps what fit.
+        write = "import os\nfor i in range(4):\n    open(f'f{i}', 'wb').write(os.urandom(30 << 20))\n"
+        r = sb.exec(["python3", "-c", write])
+        assert r.exit_code != 0 and "memory" in r.limits, (r.exit_code, r.stderr[-300:], r.limits)
+        kept = sum(p.stat().st_size for p in sb.workdir.glob("f*"))
+        assert 0 < kept < 96 << 20
+        root = sb.workdir.parent
+    assert not root.exists() and mounts_under(root) == []
+    disk = create_sandbox({"a.txt": "x\n"}, cfg.model_copy(update={"scratch": "disk"}))
+    copy = create_sandbox({"a.txt": "x\n"}, cfg.model_copy(update={"workspace_mode": "copy"}))
+    try:
+        for sb in (disk, copy):
+            assert sb.scratch is None and sb.workdir.is_relative_to(tempfile.gettempdir())
+            assert sb.exec(["cat", "a.txt"]).stdout == "x\n"
+    finally:
+        disk.close()
+        copy.close()
+
+
+def test_scratch_tmpfs_refused_clearly_where_there_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tandem.sandbox.base as base
+
+    monkeypatch.setattr(base, "TMPFS_SCRATCH", Path("/nonexistent-tandem-tmpfs"))
+    cfg = SandboxConfig(scratch="tmpfs", workspace_mode="auto")
+    with pytest.raises(SandboxError, match="sandbox.scratch = 'tmpfs'.*set sandbox.scratch = 'disk'"):
+        base.scratch_dir(cfg, "overlay", memory_capped=True)
+    assert base.scratch_dir(cfg.model_copy(update={"scratch": "auto"}), "overlay", True) is None
+    assert base.scratch_dir(cfg, "copy", True) is None  # copies always go to disk

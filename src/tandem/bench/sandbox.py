@@ -17,6 +17,9 @@ same concurrency):
   while its command runs, averaged over ``rss_sandboxes`` live sandboxes (None without a cgroup to count
   them).
 
+``scratch`` says where the sandboxes' private directories were (``SandboxConfig.scratch``: ``tmpfs`` or
+``disk``); ``--scratch disk`` measures them on disk.
+
 Invariants: the workspaces are generated in a temporary directory and deleted; every sandbox is closed; the
 machine's other load is not controlled, so compare values from the same run only.
 """
@@ -120,6 +123,7 @@ def run_sandbox_bench(
     rss_sandboxes: int = 8,
     big_mb: int = 100,
     pool_size: int = 8,
+    scratch: str = "auto",
 ) -> dict[str, Any]:
     """Run the benchmark (see module docstring) and return its JSON object."""
     for name, value in (("n", n), ("concurrency", concurrency), ("clone_repeats", clone_repeats)):
@@ -127,7 +131,7 @@ def run_sandbox_bench(
             raise ValueError(f"{name} must be >= 1, got {value}")
     if big_mb < 2:
         raise ValueError(f"big_mb must be >= 2 (the small workspace is 1 MB), got {big_mb}")
-    config = SandboxConfig(timeout_s=60.0)
+    config = SandboxConfig(timeout_s=60.0, scratch=scratch)
     prefix = sandbox_python(agent_uid(config))
     python = str(prefix / "bin" / "python3") if prefix is not None else str(SYSTEM_PYTHON)
     tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-sandbox-"))
@@ -137,7 +141,7 @@ def run_sandbox_bench(
         t0 = time.perf_counter()
         first = create_sandbox(big, config)
         layer_build_ms = (time.perf_counter() - t0) * 1000
-        mode = first.mode
+        mode, scratch = first.mode, "disk" if first.scratch is None else "tmpfs"
         first.close()
         create_sandbox(small, config).close()
         with WorkspaceTemplate(small, config) as t_small, WorkspaceTemplate(big, config) as t_big:
@@ -177,6 +181,7 @@ def run_sandbox_bench(
             "n": n,
             "concurrency": concurrency,
             "workspace_mode": mode,
+            "scratch": scratch,
             "uid": agent_uid(config),
             "p50_ms": round(p50, 2),
             "p99_ms": round(_pct(sb_lat, 0.99), 2),

@@ -306,6 +306,9 @@ def bench_sandbox(
     concurrency: Annotated[int, typer.Option(help="Sandboxes (and plain processes) at a time.")] = 4,
     pool_size: Annotated[int, typer.Option(help="Ready sandboxes the warm pool keeps.")] = 8,
     big_mb: Annotated[int, typer.Option(help="Size of the large workspace, MiB.")] = 100,
+    scratch: Annotated[
+        str, typer.Option(help="Where sandboxes' private directories go: auto, tmpfs or disk.")
+    ] = "auto",
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """A burst of sandboxes on copy-on-write clones of a 100 MB workspace vs the same command unsandboxed."""
@@ -316,8 +319,12 @@ def bench_sandbox(
             fail(f"{flag} must be >= {low}, got {value}")
     if big_mb < 2:
         fail(f"--big-mb must be >= 2 (the small workspace is 1 MB), got {big_mb}")
+    if scratch not in ("auto", "tmpfs", "disk"):
+        fail(f"--scratch must be auto, tmpfs or disk, got {scratch!r}")
     try:
-        out = run_sandbox_bench(n=n, concurrency=concurrency, big_mb=big_mb, pool_size=pool_size)
+        out = run_sandbox_bench(
+            n=n, concurrency=concurrency, big_mb=big_mb, pool_size=pool_size, scratch=scratch
+        )
     except (ValueError, TandemError) as e:
         fail(str(e))
     typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))

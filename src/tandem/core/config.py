@@ -83,6 +83,12 @@ class SandboxConfig(Section):
     uid: int = Field(default=61000, ge=0)
     """Unprivileged host uid (and gid) that bwrap-sandboxed commands run as when tandem runs as root; 0 keeps
     root (not recommended). Without root, commands run as tandem's own uid."""
+    scratch: Literal["auto", "tmpfs", "disk"] = "auto"
+    """Where a sandbox's private directory lives (an overlay workspace's upper and work directories and its
+    mount point): `tmpfs` in /dev/shm, where creating and removing directories costs microseconds instead of
+    about a millisecond each on a journaled disk, and what commands write is memory charged to the sandbox's
+    memory cgroup; `disk` in the temp dir. `auto`: tmpfs for overlay workspaces when /dev/shm is a writable
+    tmpfs and a memory cgroup caps the sandbox, disk otherwise. Copy-mode workspaces are always on disk."""
 
 
 REWARD_TEST_COMPONENTS = ("pass_fraction", "all_passed")

@@ -141,7 +141,8 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
     history: list[dict[str, Any]] = []
     recent_pairs: deque[list[list[float]]] = deque(maxlen=MISMATCH_STEPS)
     samples_total, trainer_busy_s = 0, 0.0
-    engine_busy0 = _engine_busy(engines)
+    engine0 = _engine_totals(engines)
+    engine_last = engine0
     start = time.monotonic()
     step = version
     try:
@@ -167,11 +168,14 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
             for lag in info["staleness"]:
                 hist[str(lag)] = hist.get(str(lag), 0) + 1
             elapsed = time.monotonic() - start
-            engine_busy = (_engine_busy(engines) - engine_busy0) / max(elapsed * len(engines), 1e-9)
+            engine_now = _engine_totals(engines)
+            engine_busy = (engine_now["busy_s"] - engine0["busy_s"]) / max(elapsed * len(engines), 1e-9)
             row = _step_row(
                 step, version, groups, metrics, info, samples, samples_total, elapsed, trainer_busy_s
             )
-            row.update(engine_busy=engine_busy, wait_s=wait_s, **sync_metrics)
+            row.update(engine_busy=engine_busy, wait_s=wait_s, **_prefill_row(engine_last, engine_now))
+            row.update(sync_metrics)
+            engine_last = engine_now
             logger.log(row)
             history.append(row)
             progress.update(row)
@@ -190,7 +194,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
             + (f" (last rollout error: {errors[-1]})" if errors else "")
         ) from e
     wall = time.monotonic() - start
-    engine_busy = (_engine_busy(engines) - engine_busy0) / max(wall * len(engines), 1e-9)
+    engine_busy = (_engine_totals(engines)["busy_s"] - engine0["busy_s"]) / max(wall * len(engines), 1e-9)
     weights.finish(trainer)
     ray.get([w.stop.remote() for w in workers])
     ray.get(buffer.close.remote())
@@ -251,8 +255,21 @@ def _evaluate(cfg: RunConfig, worker, tasks) -> dict[str, Any]:
     return ray.get(worker.evaluate.remote(tasks, e.samples_per_task, e.temperature, ks))
 
 
-def _engine_busy(engines) -> float:
-    return sum(s["busy_s"] for s in ray.get([e.stats.remote() for e in engines]))
+_ENGINE_TOTALS = ("busy_s", "prefill_tokens", "prefix_hit_tokens")
+
+
+def _engine_totals(engines) -> dict[str, float]:
+    """The engines' cumulative counters, summed: busy seconds, prefilled prompt tokens and prompt tokens
+    served from parked KV (prefix reuse)."""
+    stats = ray.get([e.stats.remote() for e in engines])
+    return {k: float(sum(s.get(k, 0) for s in stats)) for k in _ENGINE_TOTALS}
+
+
+def _prefill_row(before: dict[str, float], now: dict[str, float]) -> dict[str, float]:
+    """Prompt tokens the engines computed since ``before`` and the fraction of prompt tokens they reused."""
+    prefill = now["prefill_tokens"] - before["prefill_tokens"]
+    hit = now["prefix_hit_tokens"] - before["prefix_hit_tokens"]
+    return {"engine_prefill_tokens": prefill, "engine_prefix_hit_frac": hit / max(prefill + hit, 1.0)}
 
 
 def _step_row(step, version, groups, metrics, info, samples, samples_total, elapsed, trainer_busy_s) -> dict:

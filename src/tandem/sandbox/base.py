@@ -6,7 +6,9 @@ Invariants:
   sandbox of the same workspace (``tandem.sandbox.layers``) and whose upper layer is private, so creating a
   sandbox costs the same for 1 MB and 100 MB; with copy, a private copy. :meth:`Sandbox.close` (also run by a
   finalizer and at interpreter exit) kills every process of the sandbox, removes its cgroups, unmounts the
-  overlay, deletes its private directory and releases the layer; it is idempotent.
+  overlay, deletes its private directory and releases the layer; it is idempotent. The private directory
+  of an overlay sandbox is on tmpfs (``/dev/shm``) when ``SandboxConfig.scratch`` allows it (``auto``: only
+  with a memory cgroup, which tmpfs pages written by commands are charged to), else in the temp dir.
 - When the backend runs commands as an unprivileged agent uid (bwrap as root), every file of ``workdir``
   (and each file :meth:`write` creates) belongs to that uid, so the agent can edit what it was given.
 - :meth:`Sandbox.exec` runs one command at a time per sandbox (a lock serializes exec/read/write/snapshot).
@@ -26,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import os
@@ -125,14 +128,51 @@ def _rmtree(path: Path) -> None:
     shutil.rmtree(path, onerror=fix)
 
 
+TMPFS_SCRATCH = Path("/dev/shm")
+"""The tmpfs a sandbox's private directory goes to when ``SandboxConfig.scratch`` picks tmpfs."""
+
+
+@functools.cache
+def _writable_tmpfs(path: Path) -> bool:
+    """Whether ``path`` is the mount point of a tmpfs this process may create directories in."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounted = any(
+                len(parts) > 2 and parts[1] == str(path) and parts[2] == "tmpfs"
+                for parts in (line.split() for line in f)
+            )
+    except OSError:
+        return False
+    return mounted and os.access(path, os.W_OK | os.X_OK)
+
+
+def scratch_dir(config: SandboxConfig, mode: str, memory_capped: bool) -> Path | None:
+    """The directory a sandbox's private directory is made in (None: the temp dir), by
+    ``config.scratch`` (see there): tmpfs only for overlay workspaces; ``auto`` also needs the sandbox's
+    memory cgroup, which is charged for what commands write to tmpfs."""
+    if config.scratch == "disk" or mode != "overlay":
+        return None
+    usable = _writable_tmpfs(TMPFS_SCRATCH)
+    if config.scratch == "tmpfs":
+        if not usable:
+            raise SandboxError(
+                f"sandbox.scratch = 'tmpfs' but {TMPFS_SCRATCH} is not a writable tmpfs on this machine; "
+                "set sandbox.scratch = 'disk' (or 'auto')"
+            )
+        return TMPFS_SCRATCH
+    return TMPFS_SCRATCH if usable and memory_capped else None
+
+
 def _sweep_tmp() -> None:
-    """Delete workdirs that dead tandem processes on this host left in the temp dir (crashes), once."""
+    """Delete workdirs that dead tandem processes on this host left in the temp dir or the tmpfs scratch
+    (crashes), once."""
     global _swept_tmp
     if _swept_tmp:
         return
     _swept_tmp = True
     prefix = f"tandem-sbx-{_host_tag()}-"
-    for p in Path(tempfile.gettempdir()).glob(prefix + "*"):
+    places = [Path(tempfile.gettempdir())] + ([TMPFS_SCRATCH] if _writable_tmpfs(TMPFS_SCRATCH) else [])
+    for p in (p for place in places for p in place.glob(prefix + "*")):
         try:
             pid = int(p.name[len(prefix) :].split("-")[0])
         except ValueError:
@@ -195,12 +235,22 @@ class Sandbox:
         _sweep_tmp()
         self.owner = agent_uid(config)
         """Host uid (and gid) commands run as and workspace files belong to; None: this process's own."""
-        self._root = Path(tempfile.mkdtemp(prefix=f"tandem-sbx-{_host_tag()}-{os.getpid()}-"))
+        self.mode = self._resolve_mode()
+        """``overlay`` or ``copy``: how ``workdir`` is made (``workspace_mode`` after auto)."""
+        self._cgroup = Cgroup(config.memory_mb, config.pids)
+        try:
+            self.scratch = scratch_dir(config, self.mode, self._cgroup.has_memory)
+            """Where the private directory was made (None: the temp dir), see ``SandboxConfig.scratch``."""
+            self._root = Path(
+                tempfile.mkdtemp(prefix=f"tandem-sbx-{_host_tag()}-{os.getpid()}-", dir=self.scratch)
+            )
+        except BaseException:
+            self._cgroup.remove()
+            raise
         self.workdir = self._root / "workspace"
         self._layer: list[tuple[LayerCache, str]] = []
         self._mounts: list[Path] = []
         """Mount points this sandbox made under its directory, in the order made (unmounted in reverse)."""
-        self._cgroup = Cgroup(config.memory_mb, config.pids)
         self._forwarder: list[SocketForwarder] = []
         self._finalizer = weakref.finalize(
             self, _cleanup, self._root, self._cgroup, self._layer, self._forwarder, self._mounts
@@ -215,8 +265,6 @@ class Sandbox:
         self._counters = self._cgroup.counters()
         """The cgroup's limit counters after the last exec (before the first: at creation)."""
         try:
-            self.mode = self._resolve_mode()
-            """``overlay`` or ``copy``: how ``workdir`` was made (``workspace_mode`` after auto)."""
             if self.mode == "overlay":
                 self._mount(workspace)
             else:

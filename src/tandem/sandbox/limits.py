@@ -150,6 +150,7 @@ class Cgroup:
                         self.dirs.remove(d)
                         break
         self.has_pids = any(d.is_relative_to(CGROUP_ROOT / "pids") for d in self.dirs)
+        self.has_memory = any(d.is_relative_to(CGROUP_ROOT / "memory") for d in self.dirs)
 
     def join_script(self) -> str:
         """Shell lines that move the current shell (``$$``) into every cgroup of this sandbox."""
