@@ -44,8 +44,15 @@ def test_serve_prints_its_url_answers_and_stops_on_ctrl_c(tmp_path):
     code = "import typer; from tandem.cli.weights_serve import serve; typer.run(serve)"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     args = [sys.executable, "-c", code, "--store", str(tmp_path / "store"), "--port", "0"]
+    # Started with SIGINT ignored, as a non-interactive shell starts a background job: Ctrl-C still stops it.
     proc = subprocess.Popen(
-        args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        args,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # noqa: PLW1509 - test only
     )
     try:
         line = proc.stdout.readline()

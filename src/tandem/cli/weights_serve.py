@@ -1,8 +1,9 @@
 """`tandem weights serve` and `tandem weights relay`: the weight transport's HTTP servers, in the foreground.
 
-Invariants: each command prints one line with the URL it serves on, then blocks until Ctrl-C (or SIGTERM)
-and closes its server. Bad input (store directory missing or not a store, bad upstream URL, bad port or
-bandwidth, address in use) prints one ``error:`` line naming the value and exits with status 2.
+Invariants: each command prints one line with the URL it serves on, then blocks until Ctrl-C (or SIGTERM) and
+closes its server; both signals are handled even when the process inherited SIGINT ignored. Bad input (store
+directory missing or not a store, bad upstream URL, bad port or bandwidth, address in use) prints one
+``error:`` line naming the value and exits with status 2.
 """
 
 from __future__ import annotations
@@ -41,10 +42,13 @@ def _bandwidth(option: str, mbps: float | None) -> float | None:
 
 
 def _block_until_interrupted(server: Any) -> None:
-    def _on_term(signum: int, frame: Any) -> None:
+    """Serve until SIGINT or SIGTERM, then close the server. Both are handled explicitly: a process started
+    in the background by a non-interactive shell inherits SIGINT ignored, and Ctrl-C must still stop it."""
+
+    def _on_signal(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, _on_term)
+    previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         while True:
             time.sleep(3600)
@@ -52,7 +56,8 @@ def _block_until_interrupted(server: Any) -> None:
         typer.echo("stopping")
     finally:
         server.close()
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def serve(
