@@ -42,6 +42,7 @@ def test_overrides_parse_toml_values(tmp_path):
         ("tasks.source=mbpp", "tasks.source"),
         ("engine.double_buffer_weights=maybe", "engine.double_buffer_weights"),
         ("weights.host_share=sometimes", "weights.host_share"),
+        ("sandbox.scratch=ram", "sandbox.scratch"),
     ],
 )
 def test_invalid_config_names_the_field(override, needle):
