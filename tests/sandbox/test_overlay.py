@@ -255,3 +255,21 @@ def test_scratch_tmpfs_refused_clearly_where_there_is_none(monkeypatch: pytest.M
         base.scratch_dir(cfg, "overlay", memory_capped=True)
     assert base.scratch_dir(cfg.model_copy(update={"scratch": "auto"}), "overlay", True) is None
     assert base.scratch_dir(cfg, "copy", True) is None  # copies always go to disk
+
+
+def test_auto_scratch_leaves_the_tmpfs_reserve_to_other_programs() -> None:
+    import tandem.sandbox.base as base
+
+    if not base._writable_tmpfs(base.TMPFS_SCRATCH):
+        pytest.skip("needs a writable /dev/shm tmpfs")
+    st = os.statvfs(base.TMPFS_SCRATCH)
+    free, size = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    small = SandboxConfig(scratch="auto", memory_mb=16)
+    room = free - (16 << 20) >= base.TMPFS_RESERVE_FRAC * size
+    assert base.scratch_dir(small, "overlay", True) == (base.TMPFS_SCRATCH if room else None)
+    assert base.scratch_dir(small, "overlay", memory_capped=False) is None  # nothing would cap its writes
+    # a sandbox whose memory limit could fill what is free goes to disk; an explicit "tmpfs" is obeyed
+    big = small.model_copy(update={"memory_mb": free // (1 << 20) + 1})
+    assert base.scratch_dir(big, "overlay", memory_capped=True) is None
+    forced = big.model_copy(update={"scratch": "tmpfs"})
+    assert base.scratch_dir(forced, "overlay", memory_capped=True) == base.TMPFS_SCRATCH

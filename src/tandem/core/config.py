@@ -88,7 +88,9 @@ class SandboxConfig(Section):
     mount point): `tmpfs` in /dev/shm, where creating and removing directories costs microseconds instead of
     about a millisecond each on a journaled disk, and what commands write is memory charged to the sandbox's
     memory cgroup; `disk` in the temp dir. `auto`: tmpfs for overlay workspaces when /dev/shm is a writable
-    tmpfs and a memory cgroup caps the sandbox, disk otherwise. Copy-mode workspaces are always on disk."""
+    tmpfs, a memory cgroup caps the sandbox, and /dev/shm keeps half its size free after this sandbox's
+    `memory_mb` (other programs, such as Ray's object store, use it too); disk otherwise. Copy-mode
+    workspaces are always on disk."""
 
 
 REWARD_TEST_COMPONENTS = ("pass_fraction", "all_passed")

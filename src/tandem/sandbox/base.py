@@ -146,10 +146,26 @@ def _writable_tmpfs(path: Path) -> bool:
     return mounted and os.access(path, os.W_OK | os.X_OK)
 
 
+TMPFS_RESERVE_FRAC = 0.5
+"""``auto`` puts a sandbox on the tmpfs only while, after the sandbox's own ``memory_mb``, at least this
+fraction of the tmpfs stays free: other programs use ``/dev/shm`` too (Ray's object store among them), and
+sandboxes must not crowd them out."""
+
+
+def _tmpfs_room(path: Path, need_bytes: int) -> bool:
+    """Whether ``path``'s filesystem has ``need_bytes`` free beyond ``TMPFS_RESERVE_FRAC`` of its size."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize - need_bytes >= TMPFS_RESERVE_FRAC * st.f_blocks * st.f_frsize
+
+
 def scratch_dir(config: SandboxConfig, mode: str, memory_capped: bool) -> Path | None:
     """The directory a sandbox's private directory is made in (None: the temp dir), by
     ``config.scratch`` (see there): tmpfs only for overlay workspaces; ``auto`` also needs the sandbox's
-    memory cgroup, which is charged for what commands write to tmpfs."""
+    memory cgroup, which is charged for what commands write to tmpfs, and room on the tmpfs for the
+    sandbox's ``memory_mb`` above the reserve (``TMPFS_RESERVE_FRAC``)."""
     if config.scratch == "disk" or mode != "overlay":
         return None
     usable = _writable_tmpfs(TMPFS_SCRATCH)
@@ -160,7 +176,9 @@ def scratch_dir(config: SandboxConfig, mode: str, memory_capped: bool) -> Path |
                 "set sandbox.scratch = 'disk' (or 'auto')"
             )
         return TMPFS_SCRATCH
-    return TMPFS_SCRATCH if usable and memory_capped else None
+    if usable and memory_capped and _tmpfs_room(TMPFS_SCRATCH, config.memory_mb * MIB):
+        return TMPFS_SCRATCH
+    return None
 
 
 def _sweep_tmp() -> None:
