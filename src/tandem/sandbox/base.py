@@ -8,7 +8,8 @@ Invariants:
   finalizer and at interpreter exit) kills every process of the sandbox, removes its cgroups, unmounts the
   overlay, deletes its private directory and releases the layer; it is idempotent. The private directory
   of an overlay sandbox is on tmpfs (``/dev/shm``) when ``SandboxConfig.scratch`` allows it (``auto``: only
-  with a memory cgroup, which tmpfs pages written by commands are charged to), else in the temp dir.
+  with a memory cgroup, which tmpfs pages written by commands are charged to, and while the tmpfs keeps its
+  reserve free, see ``scratch_dir``), else in the temp dir.
 - When the backend runs commands as an unprivileged agent uid (bwrap as root), every file of ``workdir``
   (and each file :meth:`write` creates) belongs to that uid, so the agent can edit what it was given.
 - :meth:`Sandbox.exec` runs one command at a time per sandbox (a lock serializes exec/read/write/snapshot).
