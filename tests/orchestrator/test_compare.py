@@ -94,11 +94,33 @@ def test_labels_and_missing_metric(tmp_path: Path) -> None:
     logger.log({"step": 1, "reward_mean": 0.5})
     logger.close()
     out = tmp_path / "cmp"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")  # a file of the user's in --out
     res = runner.invoke(app, ["compare", str(a), str(b), "--out", str(out), "--label", "A", "--label", "B"])
     assert res.exit_code == 0, res.output
     md = (out / "compare.md").read_text()
     assert _table_row(md, "B")[2:6] == ["1", "0.5", "0.5", "-"]
     assert "(not logged by: B)" in md
+    assert (out / "entropy.png").exists()
+    # A failing comparison into the same directory writes and removes nothing.
+    assert runner.invoke(app, ["compare", str(b), str(tmp_path / "absent"), "--out", str(out)]).exit_code == 2
+    assert (out / "entropy.png").exists()
+    # A comparison of runs that log only the reward: the earlier plots of other metrics are stale and go;
+    # the user's file stays.
+    c = tmp_path / "c"
+    c.mkdir()
+    logger = MetricsLogger(c)
+    logger.log({"step": 1, "reward_mean": 0.25})
+    logger.close()
+    res = runner.invoke(app, ["compare", str(b), str(c), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in out.iterdir()) == [
+        "compare.json",
+        "compare.md",
+        "notes.txt",
+        "overview.png",
+        "reward_mean.png",
+    ]
 
 
 def _fails(args: list[str], *needles: str) -> str:

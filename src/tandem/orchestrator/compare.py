@@ -230,6 +230,11 @@ def _grid(path: Path, panels: list[tuple[str, Series]]) -> None:
     plt.close(fig)
 
 
+def _plot_names() -> set[str]:
+    """Every PNG name a comparison can write (``overview.png`` and one per metric of ``PANELS``)."""
+    return {"overview.png", *(f"{_slug(key)}.png" for key, _, _ in PANELS)}
+
+
 def _plots(runs: list[RunData], labels: list[str], out: Path) -> list[str]:
     """One PNG per metric of ``PANELS`` that some run logged, and ``overview.png`` with all of them;
     returns the markdown sections (the overview first)."""
@@ -329,8 +334,13 @@ def compare_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = Non
     try:
         _render(runs, names, tmp)
         out.mkdir(exist_ok=True)
+        written = {f.name for f in tmp.iterdir()}
         for f in sorted(tmp.iterdir(), key=lambda p: p.name == "compare.md"):  # compare.md last
             os.replace(f, out / f.name)
+        # Plots an earlier comparison into this directory wrote and this one did not (a metric no run of this
+        # comparison logged): stale, so removed. Files of other names are not ours and are left alone.
+        for name in _plot_names() - written:
+            (out / name).unlink(missing_ok=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out / "compare.md"
