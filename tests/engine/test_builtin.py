@@ -158,7 +158,12 @@ def test_seeded_sampling_is_reproducible(engine):
     a, b, c = engine.generate(
         [req(p, n=20, t=1.0, seed=5), req(p, n=20, t=1.0, seed=5), req(p, n=20, t=1.0, seed=6)]
     )
-    assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.token_ids != c.token_ids
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+    # Same tokens, same distribution; the logprobs agree to float rounding only: outside deterministic mode
+    # a row's logits may round differently at another row of the batch (on AMD EPYC rows 0 and 1 of this
+    # batch differ by one ulp). Bitwise equality across batch rows is deterministic mode's guarantee
+    # (tests/train/test_deterministic.py).
+    np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
     e2 = BuiltinEngine(qwen3(), EngineConfig(max_batch=8, max_seq_len=256), seed=0)
     e3 = BuiltinEngine(qwen3(), EngineConfig(max_batch=8, max_seq_len=256), seed=0)
     try:
