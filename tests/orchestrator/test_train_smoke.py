@@ -27,6 +27,8 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 3]
+    # Progress lines go to stderr; stdout carries only the results (so `bench pipeline --json` is pure JSON).
+    assert "step 3/3 v3" in r.stderr and "[tandem" not in r.stdout and "report:" in r.stdout
     for key in ("step", "version", "reward_mean", "samples", "staleness_max", "trainer_busy", "engine_busy"):
         assert key in rows[-1], key
     # mismatch metrics are numbers in every row; the token-probability pairs stay out of metrics.jsonl

@@ -50,7 +50,9 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 class ProgressLine:
-    """One line per step: step, version, reward, samples/s, staleness, busy fractions."""
+    """One line per step: step, version, reward, samples/s, staleness, busy fractions. Written to stderr, so
+    a command's stdout carries only its results (``tandem bench pipeline --json`` prints one JSON object
+    there while the runs' progress stays visible)."""
 
     def __init__(self, total_steps: int, quiet: bool = False) -> None:
         self.total = total_steps
@@ -59,7 +61,7 @@ class ProgressLine:
 
     def note(self, text: str) -> None:
         if not self.quiet:
-            print(f"[tandem {time.monotonic() - self.t0:6.1f}s] {text}", flush=True)
+            print(f"[tandem {time.monotonic() - self.t0:6.1f}s] {text}", file=sys.stderr, flush=True)
 
     def update(self, row: dict[str, Any]) -> None:
         if self.quiet:
@@ -69,5 +71,6 @@ class ProgressLine:
             f"reward {row['reward_mean']:.3f} pass {row['pass_rate']:.2f} "
             f"samples/s {row['samples_per_s']:.2f} staleness<={row['staleness_max']} "
             f"trainer_busy {row['trainer_busy']:.2f} engine_busy {row.get('engine_busy', 0):.2f}",
+            file=sys.stderr,
             flush=True,
         )
