@@ -1,6 +1,7 @@
 """End to end: `tandem train --preset smoke` through Ray, real sandboxes and the shipped model; resume."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,11 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
     assert all(row["engine_prefill_tokens"] > 0 for row in rows)
     assert all(0.0 <= row["engine_prefix_hit_frac"] < 1.0 for row in rows)
     assert max(row["engine_prefix_hit_frac"] for row in rows) > 0.0
+    # sampled tokens per decode step (first tokens of prefills included): each step samples at least one
+    # token per active session, and a step's batch and its admissions are each at most engine.max_batch
+    assert all(1.0 <= row["engine_batch_mean"] <= 2 * 64 for row in rows)
+    # the machine's busy cores since training started: some work, never more than its cores
+    assert all(0.0 < row["machine_busy_cores"] <= (os.cpu_count() or 1) + 1e-6 for row in rows)
     # The default weight path: each version went to the run's store as a lossless delta, far smaller than
     # the bf16 weights, and the engine fetched and patched it without a recovery.
     assert all(row["weight_delta_bytes"] > 0 and row["weight_ratio"] > 2 for row in rows)
@@ -59,6 +65,9 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
     ):
         assert (run_dir / name).is_file(), name
     assert list((run_dir / "tensorboard").iterdir())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 0.0 < summary["machine_busy_cores"] <= (os.cpu_count() or 1)
+    assert "machine cores busy" in (run_dir / "report.md").read_text()
     ev = json.loads((run_dir / "eval_after.json").read_text())
     assert ev["n"] == 4 and 0.0 <= ev["pass@1"] <= 1.0
     assert (run_dir / "final_model" / "config.json").is_file()

@@ -2,10 +2,18 @@
 
 Invariant: both modes run one after the other with identical config except ``orchestrator.mode``, identical
 time budget, and the same held-out evaluation of their final models; the JSON reports what each measured.
+
+What bounds the speedup on one machine: per mode, ``machine_busy_cores`` is the mean number of the machine's
+cores busy during the training loop (every process: engine, trainer, the sandboxes of tool calls and
+grading, Ray) and ``core_s_per_sample`` that divided by samples/s. ``speedup_cap = cpus /
+sync.machine_busy_cores`` is the speedup async would reach if it kept every core busy at sync's CPU cost per
+sample; work that costs more CPU when it shares the cores (async's ``core_s_per_sample`` above sync's) keeps
+async below it. Both are None where ``/proc/stat`` cannot be read.
 """
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -37,12 +45,18 @@ def run(cfg: RunConfig, budget_s: float = 150.0, run_root: Path | None = None) -
             "steps": res.steps,
             "samples": res.samples,
         }
+        cores = res.machine_busy_cores
+        entry["machine_busy_cores"] = None if cores is None else round(cores, 3)
+        entry["core_s_per_sample"] = None if cores is None else round(cores / max(res.samples_per_s, 1e-9), 4)
         if mode == "async":
             entry["staleness_hist"] = res.staleness_hist
         out[mode] = entry
     if ray.is_initialized():
         ray.shutdown()
     out["speedup"] = round(out["async"]["samples_per_s"] / max(out["sync"]["samples_per_s"], 1e-9), 4)
+    out["cpus"] = os.cpu_count()
+    sync_cores = out["sync"]["machine_busy_cores"]
+    out["speedup_cap"] = round(out["cpus"] / sync_cores, 3) if sync_cores else None
     out["targets"] = {
         "speedup>=1.8": out["speedup"] >= 1.8,
         "async_trainer_busy>=0.85": out["async"]["trainer_busy"] >= 0.85,

@@ -9,6 +9,7 @@ computed from assumptions.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -144,6 +145,7 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
         )
         plots.append(("Held-out pass@1", "heldout.png"))
 
+    cores = result.machine_busy_cores
     summary: dict[str, Any] = {
         "mode": cfg.orchestrator.mode,
         "steps": result.steps,
@@ -153,6 +155,7 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
         "samples_per_s": round(result.samples_per_s, 4),
         "trainer_busy": round(result.trainer_busy, 4),
         "engine_busy": round(result.engine_busy, 4),
+        "machine_busy_cores": None if cores is None else round(cores, 3),
         "staleness_hist": result.staleness_hist,
         "heldout_pass1_before": None if not result.eval_before else result.eval_before["pass@1"],
         "heldout_pass1_after": None if not result.eval_after else result.eval_after["pass@1"],
@@ -165,7 +168,12 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
         f"- model: `{cfg.model.path}`",
         f"- steps: {result.steps} (final version {result.version}), wall time {result.wall_s:.1f} s",
         f"- samples: {result.samples} ({result.samples_per_s:.2f}/s)",
-        f"- trainer busy {result.trainer_busy:.2f}, engine busy {result.engine_busy:.2f}",
+        f"- trainer busy {result.trainer_busy:.2f}, engine busy {result.engine_busy:.2f}"
+        + (
+            ""
+            if result.machine_busy_cores is None
+            else f", machine cores busy {result.machine_busy_cores:.2f} of {os.cpu_count()}"
+        ),
         f"- staleness histogram: {json.dumps(result.staleness_hist)}",
     ]
     if rows:

@@ -25,6 +25,7 @@ import ray
 
 from tandem.core.config import RunConfig, dump_config
 from tandem.core.errors import TandemError
+from tandem.core.procs import busy_cores, cpu_ticks
 from tandem.orchestrator.actors import BufferActor, EngineActor, RolloutActor, TrainerActor
 from tandem.orchestrator.metrics import MetricsLogger, ProgressLine
 from tandem.orchestrator.weightpath import WeightPath
@@ -50,6 +51,9 @@ class RunResult:
     mismatch_pairs: list[list[float]] = field(default_factory=list)
     """[p_sampler, p_trainer] token pairs of the last ``MISMATCH_STEPS`` steps (subsampled by the trainer),
     for the report's scatter plot; not in ``metrics.jsonl``."""
+    machine_busy_cores: float | None = None
+    """Mean number of the driver machine's cores busy (all its processes, tandem's or not) during the
+    training loop; None where ``/proc/stat`` cannot be read."""
 
     @property
     def samples_per_s(self) -> float:
@@ -143,6 +147,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
     samples_total, trainer_busy_s = 0, 0.0
     engine0 = _engine_totals(engines)
     engine_last = engine0
+    ticks0 = cpu_ticks()
     start = time.monotonic()
     step = version
     try:
@@ -174,6 +179,9 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
                 step, version, groups, metrics, info, samples, samples_total, elapsed, trainer_busy_s
             )
             row.update(engine_busy=engine_busy, wait_s=wait_s, **_prefill_row(engine_last, engine_now))
+            cores = busy_cores(ticks0, cpu_ticks())
+            if cores is not None:
+                row["machine_busy_cores"] = cores
             row.update(sync_metrics)
             engine_last = engine_now
             logger.log(row)
@@ -194,6 +202,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
             + (f" (last rollout error: {errors[-1]})" if errors else "")
         ) from e
     wall = time.monotonic() - start
+    machine_cores = busy_cores(ticks0, cpu_ticks())
     engine_busy = (_engine_totals(engines)["busy_s"] - engine0["busy_s"]) / max(wall * len(engines), 1e-9)
     weights.finish(trainer)
     ray.get([w.stop.remote() for w in workers])
@@ -222,6 +231,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
         eval_after=eval_after,
         history=history,
         mismatch_pairs=[p for pairs in recent_pairs for p in pairs],
+        machine_busy_cores=machine_cores,
     )
     _teardown([*workers, *engines, trainer, buffer, *weights.actors()])
     from tandem.orchestrator.report import write_report
@@ -255,21 +265,29 @@ def _evaluate(cfg: RunConfig, worker, tasks) -> dict[str, Any]:
     return ray.get(worker.evaluate.remote(tasks, e.samples_per_task, e.temperature, ks))
 
 
-_ENGINE_TOTALS = ("busy_s", "prefill_tokens", "prefix_hit_tokens")
+_ENGINE_TOTALS = ("busy_s", "prefill_tokens", "prefix_hit_tokens", "steps", "tokens_generated")
 
 
 def _engine_totals(engines) -> dict[str, float]:
-    """The engines' cumulative counters, summed: busy seconds, prefilled prompt tokens and prompt tokens
-    served from parked KV (prefix reuse)."""
+    """The engines' cumulative counters, summed: busy seconds, prefilled prompt tokens, prompt tokens
+    served from parked KV (prefix reuse), decode steps and sampled tokens."""
     stats = ray.get([e.stats.remote() for e in engines])
     return {k: float(sum(s.get(k, 0) for s in stats)) for k in _ENGINE_TOTALS}
 
 
 def _prefill_row(before: dict[str, float], now: dict[str, float]) -> dict[str, float]:
-    """Prompt tokens the engines computed since ``before`` and the fraction of prompt tokens they reused."""
+    """Since ``before``: prompt tokens the engines computed, the fraction of prompt tokens they reused, and
+    sampled tokens per decode step (the mean decode batch: a step costs nearly as much for one session as for
+    dozens on a small model, so this says how well the engines' time is used)."""
     prefill = now["prefill_tokens"] - before["prefill_tokens"]
     hit = now["prefix_hit_tokens"] - before["prefix_hit_tokens"]
-    return {"engine_prefill_tokens": prefill, "engine_prefix_hit_frac": hit / max(prefill + hit, 1.0)}
+    steps = now["steps"] - before["steps"]
+    sampled = now["tokens_generated"] - before["tokens_generated"]
+    return {
+        "engine_prefill_tokens": prefill,
+        "engine_prefix_hit_frac": hit / max(prefill + hit, 1.0),
+        "engine_batch_mean": sampled / steps if steps else 0.0,
+    }
 
 
 def _step_row(step, version, groups, metrics, info, samples, samples_total, elapsed, trainer_busy_s) -> dict:
