@@ -147,7 +147,8 @@ def bench_pipeline(
     run_root: Annotated[Path | None, typer.Option(help="Where to keep both runs.")] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Sync vs async for the same wall-clock budget: samples/s, busy fractions, held-out pass@1."""
+    """Sync vs async for the same wall-clock budget: samples/s, busy fractions, held-out pass@1, and the
+    machine's busy cores per mode with the speedup that many cores allow (speedup_cap)."""
     cfg = build_config(preset if preset or config else "default", config, set_)
     check_model_path(cfg.model.path)
     from tandem.bench.pipeline import run
