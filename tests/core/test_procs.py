@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import time
 
-from tandem.core.procs import busy_cores, cpu_ticks
+from tandem.core.procs import CpuTicks, busy_cores, cpu_ticks, steal_fraction
 
 
 def test_busy_cores_sees_this_process_spinning():
     before = cpu_ticks()
-    assert before is not None and 0 <= before[0] <= before[1]
+    assert before is not None and 0 <= before.busy <= before.total and 0 <= before.steal <= before.total
     t0 = time.process_time()
     while time.process_time() - t0 < 0.5:  # keep one core busy for half a second of CPU time
         pass
@@ -22,7 +22,9 @@ def test_busy_cores_sees_this_process_spinning():
 
 def test_busy_cores_arithmetic_and_unknowns():
     cpus = os.cpu_count() or 1
-    assert busy_cores((100, 1000), (150, 1100)) == cpus * 0.5
-    assert busy_cores(None, (1, 2)) is None
-    assert busy_cores((1, 2), None) is None
-    assert busy_cores((5, 10), (5, 10)) is None  # no time passed: unknown, not a division by zero
+    a, b = CpuTicks(100, 10, 1000), CpuTicks(150, 30, 1100)
+    assert busy_cores(a, b) == cpus * 0.5
+    assert steal_fraction(a, b) == 0.2
+    for f in (busy_cores, steal_fraction):
+        assert f(None, b) is None and f(a, None) is None
+        assert f(a, a) is None  # no time passed: unknown, not a division by zero

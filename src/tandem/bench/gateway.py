@@ -41,6 +41,7 @@ import torch
 
 from tandem.core.config import EngineConfig, TaskConfig
 from tandem.core.generation import GenerationRequest, SamplingParams
+from tandem.core.procs import cpu_ticks, steal_fraction
 from tandem.engine.builtin import BuiltinEngine
 
 TOOL_RESULT = "exit 0\nstdout:\n2 passed, 0 failed (round {r}, session {i}, turn {t})\n"
@@ -59,15 +60,6 @@ def _workload(sessions: int, r: int) -> tuple[list[list[dict[str, Any]]], list[d
         msgs[-1]["content"] += f" (run {r}.{i})"
         opening.append(msgs)
     return opening, TOOLS
-
-
-def _cpu_ticks() -> tuple[int, int] | None:
-    """(steal, total) CPU ticks from /proc/stat (Linux), to report how much a VM host took from this run."""
-    try:
-        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return (fields[7] if len(fields) > 7 else 0), sum(fields)
 
 
 def _seed(r: int, i: int, t: int) -> int:
@@ -246,7 +238,7 @@ def run_gateway_bench(
     gw_cfg = GatewayConfig(max_concurrent=max(64, sessions), max_sessions=max(1024, 2 * sessions))
     server = GatewayServer(create_app(engine, chat, chat.tokenizer, gw_cfg)).start()
     clients: list[_Client] = []
-    ticks0 = _cpu_ticks()
+    ticks0 = cpu_ticks()
     try:
         engine.start()
         clients = [_Client(server.url + "/v1") for _ in range(client_procs)]
@@ -273,10 +265,7 @@ def run_gateway_bench(
         server.stop()
         engine.stop()
         torch.set_num_threads(old)
-    ticks1 = _cpu_ticks()
-    steal = None
-    if ticks0 and ticks1 and ticks1[1] > ticks0[1]:
-        steal = round((ticks1[0] - ticks0[0]) / (ticks1[1] - ticks0[1]), 3)
+    steal = steal_fraction(ticks0, cpu_ticks())
     ip_wall = min(x["wall_s"] for x in in_proc[1:])
     gw_wall = min(x["wall_s"] for x in gateway[1:])
     ip_tps, gw_tps = expected / ip_wall, expected / gw_wall
@@ -296,7 +285,8 @@ def run_gateway_bench(
         "client": f"openai {clients[0].info.get('openai')} AsyncOpenAI, {client_procs} process(es)",
         "client_procs": client_procs,
         "gateway_records": records,
-        "cpu_steal_frac": steal,  # share of CPU time a VM host took during the run (noise indicator)
+        # share of CPU time a VM host took during the run (noise indicator)
+        "cpu_steal_frac": None if steal is None else round(steal, 3),
     }
 
 

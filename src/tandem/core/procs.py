@@ -4,12 +4,14 @@ the code that measures runs.
 Invariants: ``pid_alive`` never signals the process (signal 0 only checks existence and permission).
 ``cpu_ticks`` reads the machine-wide counters of ``/proc/stat`` (every process of the host, not only
 tandem's); busy time is user, nice, system, irq and softirq, so idle, I/O wait and the time a VM host stole
-count as not busy. Where ``/proc/stat`` cannot be read both helpers return None instead of raising.
+count as not busy (the stolen share is ``steal_fraction``). Where ``/proc/stat`` cannot be read, the
+readings and everything computed from them are None instead of raising.
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 
 def pid_alive(pid: int) -> bool:
@@ -23,8 +25,16 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def cpu_ticks() -> tuple[int, int] | None:
-    """(busy, total) CPU ticks of the whole machine since boot, from ``/proc/stat``; None when unreadable."""
+class CpuTicks(NamedTuple):
+    """Machine-wide CPU ticks since boot (see module invariants for what counts as busy)."""
+
+    busy: int
+    steal: int
+    total: int
+
+
+def cpu_ticks() -> CpuTicks | None:
+    """The whole machine's CPU ticks from ``/proc/stat``; None when unreadable."""
     try:
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:9]]
@@ -32,12 +42,19 @@ def cpu_ticks() -> tuple[int, int] | None:
         return None
     if len(fields) < 8:
         return None
-    user, nice, system, _idle, _iowait, irq, softirq, _steal = fields
-    return user + nice + system + irq + softirq, sum(fields)
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return CpuTicks(user + nice + system + irq + softirq, steal, sum(fields))
 
 
-def busy_cores(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+def busy_cores(before: CpuTicks | None, after: CpuTicks | None) -> float | None:
     """Mean number of this machine's cores busy between two ``cpu_ticks`` readings (None if unknown)."""
-    if before is None or after is None or after[1] <= before[1]:
+    if before is None or after is None or after.total <= before.total:
         return None
-    return (os.cpu_count() or 1) * (after[0] - before[0]) / (after[1] - before[1])
+    return (os.cpu_count() or 1) * (after.busy - before.busy) / (after.total - before.total)
+
+
+def steal_fraction(before: CpuTicks | None, after: CpuTicks | None) -> float | None:
+    """Share of the CPU time between two readings that a VM host took (None if unknown)."""
+    if before is None or after is None or after.total <= before.total:
+        return None
+    return (after.steal - before.steal) / (after.total - before.total)
