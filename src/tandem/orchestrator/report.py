@@ -169,11 +169,7 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
         f"- steps: {result.steps} (final version {result.version}), wall time {result.wall_s:.1f} s",
         f"- samples: {result.samples} ({result.samples_per_s:.2f}/s)",
         f"- trainer busy {result.trainer_busy:.2f}, engine busy {result.engine_busy:.2f}"
-        + (
-            ""
-            if result.machine_busy_cores is None
-            else f", machine cores busy {result.machine_busy_cores:.2f} of {os.cpu_count()}"
-        ),
+        + ("" if cores is None else f", machine cores busy {cores:.2f} of {os.cpu_count()}"),
         f"- staleness histogram: {json.dumps(result.staleness_hist)}",
     ]
     if rows:
