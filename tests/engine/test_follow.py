@@ -201,3 +201,56 @@ def test_engines_of_a_host_share_one_decode_per_delta_and_never_apply_a_bad_patc
             s.close()
     with pytest.raises(ValueError, match="keep=0"):
         HostShare(tmp_path / "other", keep=0)
+
+
+def test_engines_read_a_written_patch_while_another_holds_the_share_lock(served, tmp_path):
+    """Reading a patch that is already written takes no lock: while another process of the host holds the
+    share's lock (a leader decoding a later step), an engine still applies the written patch and serves the
+    version. Without a patch, the engine waits for the lock rather than decode the same step alongside."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    from tandem.weights.hostshare import HostShare
+
+    store, server = served
+    trainer_model = _model()
+    publisher = WeightPublisher(store, keep_versions=10)
+    share = HostShare(tmp_path / "share")
+    engines = [BuiltinEngine(_model(), EngineConfig(max_batch=2, max_seq_len=64)) for _ in range(2)]
+    syncs = [EngineWeightSync(e, server.url, share=share) for e in engines]
+    held, release = threading.Event(), threading.Event()
+
+    def hold_lock() -> None:
+        with share.lock():
+            held.set()
+            release.wait(60)
+
+    g = torch.Generator().manual_seed(5)
+    try:
+        publisher.publish(0, _bf16_state(trainer_model))
+        for s in syncs:
+            s.sync(0)
+        _step(trainer_model, g)
+        publisher.publish(1, _bf16_state(trainer_model))
+        assert syncs[0].sync(1)["shared_steps"] == 0  # the leader wrote the patch 0 -> 1
+        with ThreadPoolExecutor(3) as pool:
+            holder = pool.submit(hold_lock)
+            assert held.wait(30)
+            out = pool.submit(syncs[1].sync, 1).result(timeout=30)  # the lock is held throughout
+            assert out["shared_steps"] == 1 and out["downloaded_bytes"] == 0
+            _assert_serves(engines[1], _bf16_state(trainer_model))
+            # Version 2 has no patch yet: the engine must wait for the lock, not advance on its own.
+            _step(trainer_model, g)
+            publisher.publish(2, _bf16_state(trainer_model))
+            waiting = pool.submit(syncs[1].sync, 2)
+            with pytest.raises(FutureTimeout):
+                waiting.result(timeout=1.0)
+            release.set()
+            holder.result(timeout=30)
+            assert waiting.result(timeout=60)["shared_steps"] == 0
+        _assert_serves(engines[1], _bf16_state(trainer_model))
+    finally:
+        release.set()
+        for s in syncs:
+            s.close()

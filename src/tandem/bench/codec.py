@@ -38,7 +38,13 @@ import torch
 import zstandard
 
 from tandem.weights.bound import entropy_bound_bits
-from tandem.weights.delta import apply_delta_inplace, decode_delta, dumps_delta, encode_delta
+from tandem.weights.delta import (
+    apply_delta_inplace,
+    decode_delta,
+    dumps_delta,
+    encode_delta,
+    warm_kernels,
+)
 from tandem.weights.seam import tensors_hash
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -264,21 +270,6 @@ def summarize(name: str, pairs: list[tuple[Tensors, Tensors]], threads: int, rep
     return row
 
 
-def warm_up() -> None:
-    """Compile (or load from the numba cache) every kernel specialisation before anything is timed."""
-    rng = np.random.default_rng(0)
-    for dt in (np.uint16, np.float32):
-        n = 1 << 14
-        p = rng.integers(0, 1 << 12, n).astype(dt)
-        for frac in (0.003, 0.05, 0.6):
-            c = p.copy()
-            idx = rng.choice(n, int(n * frac), replace=False)
-            c[idx] = (c[idx].view(np.uint16 if dt == np.uint16 else np.uint32) + 1).view(dt)
-            d = encode_delta({"w": p}, {"w": c})
-            decode_delta({"w": p}, d)
-            apply_delta_inplace({"w": p.copy()}, d)
-
-
 def run_codec_bench(
     size_gb: float = 1.0, model_path: str | None = None, steps: int = 3, warmup: int = 6, threads: int = 2,
     repeats: int = 3, synthetic_lr: float = 1e-6, synthetic_warmup: int = 2, train_lr: float | None = None,
@@ -296,7 +287,7 @@ def run_codec_bench(
     old_threads = torch.get_num_threads()
     out: dict[str, Any] = {"workloads": [], "threads": threads, "repeats": repeats}
     try:
-        warm_up()
+        warm_kernels()
         if "tandem_train" in workloads:
             path = model_path or str(REPO_ROOT / "models" / "tandem-base")
             versions = tandem_train_versions(path, steps, warmup, threads=threads, lr=train_lr)

@@ -2,18 +2,20 @@
 
 Invariants:
 - Downloading, decoding and verifying happen on the follower's own worker thread while the engine keeps
-  serving; the engine pauses only inside ``patch_weights`` (changed elements) or, after a snapshot recovery
-  or at the first sync, ``update_weights`` (a full reload). The worker thread, and the download and decode
-  threads it starts, run ``nice`` levels below the process (Linux thread niceness), so on a busy machine
-  serving keeps the CPU and the sync takes what is left; the pause itself runs on the engine's loop thread
+  serving (the thread first loads the codec's compiled kernels, so the first delta does not pay that); the
+  engine pauses only inside ``patch_weights`` (changed elements) or, after a snapshot recovery or at the
+  first sync, ``update_weights`` (a full reload). The worker thread, and the download and decode threads it
+  starts, run ``nice`` levels below the process (Linux thread niceness), so on a busy machine serving keeps
+  the CPU and the sync takes what is left; the pause itself runs on the engine's loop thread
   at normal priority.
 - The engine is only ever given weights the follower verified against the store's recorded hash
   (``tandem.weights.follow``); if verification and the snapshot recovery both fail, the engine keeps its
   current version and the error propagates.
-- With a host share (``tandem.weights.hostshare``), the engines of one host take turns under the share's
-  lock: an engine at version ``a`` first looks for verified patches ``a -> b`` another engine wrote and
-  applies them to its shadow and its weights; only when there is none does it advance from the store
-  itself, and then it writes its verified patch for the others. Full reloads are never shared.
+- With a host share (``tandem.weights.hostshare``), an engine at version ``a`` first applies the verified
+  patches ``a -> b`` other engines of its host wrote (read without a lock, in parallel with the others);
+  only when the next one is missing does it take the share's lock, look again, and, when still missing,
+  advance from the store itself and write its verified patch for the others, whom the lock holds back
+  meanwhile. Full reloads are never shared.
 - Published tensors omit tied duplicates (``lm_head`` tied to the embeddings): patching the published name
   patches the shared storage and every derived buffer built from it.
 """
@@ -32,6 +34,7 @@ import numpy as np
 from tandem.core.errors import TandemError
 from tandem.engine.builtin import BuiltinEngine
 from tandem.weights.client import WeightClient
+from tandem.weights.delta import warm_kernels
 from tandem.weights.follow import Advance, WeightFollower
 from tandem.weights.hostshare import HostShare, Patches
 
@@ -55,6 +58,7 @@ class EngineWeightSync:
         self.follower = WeightFollower(WeightClient(urls, parallel=connections), threads=threads)
         self._lock = threading.Lock()  # one sync at a time; a later call catches up to its own target
         self._worker = ThreadPoolExecutor(1, "weight-sync", initializer=_lower_priority, initargs=(nice,))
+        self._worker.submit(warm_kernels)  # in the background: the first delta then decodes at full speed
         self.stats: dict[str, float] = {
             "syncs": 0, "full_reloads": 0, "pause_s_total": 0.0, "pause_s_last": 0.0,
             "full_reload_s_last": 0.0, "fetch_s_total": 0.0, "decode_s_total": 0.0,
@@ -82,9 +86,13 @@ class EngineWeightSync:
             if target is None:
                 raise TandemError("the weight store has no published version yet")
         steps: list[Patches] = []
-        with self.share.lock():
+        read_s = 0.0
+        adv: Advance | None = None
+        written: Patches | None = None
+        looked_again: set[int] = set()
+        while adv is None:
             t0 = time.perf_counter()
-            while (a := self.follower.version) is not None and a < target:
+            while (a := self.follower.version) is not None and a < target:  # no lock: see hostshare
                 got = self.share.read(a, target)
                 if got is None:
                     break
@@ -92,19 +100,28 @@ class EngineWeightSync:
                 self.follower.apply_patch(a, b, step)
                 self.stats["shared_patches"] += 1
                 steps.append(step)
-            self.stats["shared_read_s_total"] += time.perf_counter() - t0
-            shared: dict[str, np.ndarray | None] = {}
-            for step in steps:
-                for name, (index, _) in step.items():
-                    shared[name] = _union(shared[name], index) if name in shared else index
-            if self.follower.version == target:
-                return Advance(target, False, shared), steps[0] if len(steps) == 1 else None
+            read_s += time.perf_counter() - t0
             mid = self.follower.version
-            adv = self.follower.advance(target)
-            written = None
-            if not adv.full and mid is not None and self.follower.shadow is not None:
-                written = _patches(adv.changes, self.follower.shadow)
-                self.share.write(mid, target, written)
+            if mid == target:
+                break
+            with self.share.lock():
+                # The leader of this step may have written its patch while this engine waited for the lock:
+                # read it outside the lock, so the waiting engines read in parallel (once per version: a
+                # patch that then fails its digest is rebuilt from the store below).
+                if mid is not None and mid not in looked_again and self.share.find(mid, target) is not None:
+                    looked_again.add(mid)
+                    continue
+                adv = self.follower.advance(target)
+                if not adv.full and mid is not None and self.follower.shadow is not None:
+                    written = _patches(adv.changes, self.follower.shadow)
+                    self.share.write(mid, target, written)
+        self.stats["shared_read_s_total"] += read_s
+        shared: dict[str, np.ndarray | None] = {}
+        for step in steps:
+            for name, (index, _) in step.items():
+                shared[name] = _union(shared[name], index) if name in shared else index
+        if adv is None:
+            return Advance(target, False, shared), steps[0] if len(steps) == 1 else None
         if adv.full:
             return adv, None
         if not shared:

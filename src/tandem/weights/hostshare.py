@@ -15,9 +15,11 @@ Invariants:
   store itself.
 - A patch ``a -> b`` is applied only to a shadow at exactly version ``a``; applied to version ``a``'s
   verified weights it gives version ``b``'s verified weights (``apply_to_shadow`` checks the version).
-- ``lock()`` is an exclusive ``flock`` on the share's lock file: a process holds it while it looks for a
-  patch and, when there is none, while it advances and writes one, so the other engines of the host wait
-  for that patch instead of decoding the same step in parallel. Locks end with their process.
+- ``lock()`` is an exclusive ``flock`` on the share's lock file: a process takes it only when the patch it
+  needs is not there yet, looks again under it (``find``, a listing) and, when there is still none, holds it
+  while it advances and writes one, so the other engines of the host wait for that patch instead of
+  decoding the same step in parallel. Reading a patch needs no lock, so the engines waiting for a step read
+  its patch in parallel once the leader releases the lock. Locks end with their process.
 - The writer keeps the newest ``keep`` patch files and removes older ones.
 """
 
@@ -103,13 +105,19 @@ class HostShare:
         self._collect()
         return final
 
+    def find(self, a: int, upto: int) -> int | None:
+        """The newest version ``b <= upto`` a patch from version ``a`` reaches, or None (a directory listing:
+        nothing is read or checked)."""
+        found = [b for f in self.path.glob(f"{a:08d}-*.patch") if a < (b := int(f.name[9:17])) <= upto]
+        return max(found) if found else None
+
     def read(self, a: int, upto: int) -> tuple[int, Patches] | None:
         """The patch from version ``a`` to the newest version ``b <= upto`` one reaches, as ``(b, patches)``,
-        or None when there is none or it fails its digest."""
-        found = [b for f in self.path.glob(f"{a:08d}-*.patch") if a < (b := int(f.name[9:17])) <= upto]
-        if not found:
+        or None when there is none or it fails its digest. Needs no lock: a patch file is complete once
+        its name exists (atomic rename) and its digest is checked here."""
+        b = self.find(a, upto)
+        if b is None:
             return None
-        b = max(found)
         try:
             with open(self._file(a, b), "rb") as f:
                 data = bytearray(os.fstat(f.fileno()).st_size)  # writable: the arrays become tensors
