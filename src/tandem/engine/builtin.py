@@ -24,8 +24,10 @@ Invariants:
   serves from the other, and the pause only switches banks; otherwise the pause writes the served buffers
   (derived buffers, embedding, norms) in place. The remaining writes (HF parameters the forward does not
   read, the bank just switched away from) land after the pause, in the caller's thread, before
-  ``patch_weights`` returns; they are applied in order and always before the loop applies any later update
-  (which may rebuild the served weights from the parameters). If a full update rebuilt the served weights
+  ``patch_weights`` returns, or, with ``flush=False``, when the caller calls ``flush_deferred`` (from any
+  thread, e.g. one of lower priority); they are applied in order and always before the next
+  ``patch_weights`` plans and before the loop applies any later update (which may rebuild the served weights
+  from the parameters). If a full update rebuilt the served weights
   between planning and switching, the switch is refused and the patch is re-planned and written in the pause.
   Concurrent ``patch_weights`` calls are serialized.
 - The engine never changes global torch settings (threads are the caller's job).
@@ -234,7 +236,9 @@ class BuiltinEngine(RequestFront):
         self._flush_deferred()  # e.g. the second weight bank, copied from the one now served
         return update.pause_s
 
-    def patch_weights(self, version: int, patches: Patches, on_live: OnLive = None) -> float:
+    def patch_weights(
+        self, version: int, patches: Patches, on_live: OnLive = None, flush: bool = True
+    ) -> float:
         """Set elements of parameters in place between decode steps: ``patches[name] = (flat_index, values)``
         (values as in ``update_weights``: uint16 means bfloat16 bit patterns).
 
@@ -242,7 +246,9 @@ class BuiltinEngine(RequestFront):
         served buffers are patched element-wise, not rebuilt: in the idle bank before the pause, which then
         only switches banks (double buffering), or inside the pause, in proportion to the number of changed
         elements. Later tokens carry ``version``; ``on_live`` is called (in this thread) once the engine
-        serves it, before the writes left for after the pause. Returns the pause in seconds.
+        serves it, before the writes left for after the pause; ``flush=False`` leaves those writes to
+        ``flush_deferred`` (the caller's job, typically on a lower-priority thread). Returns the pause in
+        seconds.
         """
         converted = convert_patches(self._targets, patches)
         with self._patch_lock:
@@ -270,8 +276,13 @@ class BuiltinEngine(RequestFront):
                 raise
             if on_live is not None:
                 on_live()  # the loop serves the new version from here on
-            self._flush_deferred()  # off the serving path
+            if flush:
+                self._flush_deferred()  # off the serving path
         return update.pause_s
+
+    def flush_deferred(self) -> None:
+        """Apply the writes earlier updates left for after their pause (``patch_weights(flush=False)``)."""
+        self._flush_deferred()
 
     def _flush_deferred(self) -> None:
         """Do the work applied updates left for after their pause, oldest first (any thread)."""

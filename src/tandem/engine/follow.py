@@ -7,7 +7,10 @@ Invariants:
   first sync, ``update_weights`` (a full reload). The worker thread, and the download and decode threads it
   starts, run ``nice`` levels below the process (Linux thread niceness), so on a busy machine serving keeps
   the CPU and the sync takes what is left; the pause itself runs on the engine's loop thread
-  at normal priority.
+  at normal priority. The writes a built-in engine leaves for after its pause (its other weight bank, its
+  parameters) run on a third thread at nice 19 once the engine serves the new version, so on a host with
+  several engines they do not delay the engines still on their way to their pause; ``sync`` returns once
+  they are done.
 - The engine is only ever given weights the follower verified against the store's recorded hash
   (``tandem.weights.follow``); if verification and the snapshot recovery both fail, the engine keeps its
   current version and the error propagates.
@@ -59,6 +62,10 @@ class EngineWeightSync:
         self._lock = threading.Lock()  # one sync at a time; a later call catches up to its own target
         self._worker = ThreadPoolExecutor(1, "weight-sync", initializer=_lower_priority, initargs=(nice,))
         self._worker.submit(warm_kernels)  # in the background: the first delta then decodes at full speed
+        self._flusher = ThreadPoolExecutor(
+            1, "weight-flush", initializer=_lower_priority, initargs=(19 if nice > 0 else 0,)
+        )
+        self._defers = isinstance(engine, BuiltinEngine)  # its late writes go to the flush thread
         self.stats: dict[str, float] = {
             "syncs": 0, "full_reloads": 0, "pause_s_total": 0.0, "pause_s_last": 0.0,
             "full_reload_s_last": 0.0, "fetch_s_total": 0.0, "decode_s_total": 0.0,
@@ -132,6 +139,7 @@ class EngineWeightSync:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+        self._flusher.shutdown(wait=True)
 
     def _sync(self, target: int | None) -> dict[str, Any]:
         with self._lock:
@@ -151,7 +159,12 @@ class EngineWeightSync:
             else:
                 patches = ready if ready is not None else _patches(adv.changes, shadow)
                 live: list[float] = []
-                pause = self.engine.patch_weights(adv.version, patches, lambda: live.append(time.time()))
+                on_live = lambda: live.append(time.time())  # noqa: E731
+                if self._defers:
+                    pause = self.engine.patch_weights(adv.version, patches, on_live, flush=False)
+                    self._flusher.submit(self.engine.flush_deferred).result()  # at nice 19, see above
+                else:
+                    pause = self.engine.patch_weights(adv.version, patches, on_live)
                 live_at = live[0]
                 patched = sum(len(ix) for ix, _ in patches.values())
             s = self.stats

@@ -125,13 +125,29 @@ def scatter(flat: np.ndarray, idx: np.ndarray, values: np.ndarray) -> None:
         flat[idx[k]] = values[k]
 
 
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def scatter_bits(flat: np.ndarray, idx: np.ndarray, values: np.ndarray) -> None:
+    """``flat[idx] = values`` for a 1-D contiguous ``flat`` and ``values`` of its dtype, bit-exact for any
+    dtype (copied as unsigned integers of the same width through ``scatter``; NumPy's fancy assignment
+    otherwise). Positions are trusted."""
+    view = _UINT.get(flat.dtype.itemsize)
+    if view is None or values.dtype != flat.dtype or not flat.flags.c_contiguous or flat.ndim != 1:
+        flat[idx] = values
+        return
+    scatter(flat.view(view), np.ascontiguousarray(idx, np.int64), np.ascontiguousarray(values).view(view))
+
+
 @njit(**NJIT)
 def transposed_order(
-    idx: np.ndarray, in_dim: int, stride: int, offset: int, out_pos: np.ndarray, out_perm: np.ndarray
-) -> None:
-    """``transposed_positions`` listed in buffer order: ``out_pos`` ascending when ``idx`` is ascending,
-    and ``out_perm[k]`` the entry of ``idx`` whose position is ``out_pos[k]`` (a stable counting sort by
-    column, O(n + in_dim)). Scattering in this order writes the transposed buffer front to back."""
+    idx: np.ndarray, values: np.ndarray, in_dim: int, stride: int, offset: int, out_pos: np.ndarray,
+    out_values: np.ndarray,
+) -> None:  # fmt: skip
+    """The writes of W's flat indices ``idx`` (``W[o, i]`` at ``i * stride + offset + o`` of a transposed
+    buffer) listed in buffer order: ``out_pos`` ascending when ``idx`` is ascending, ``out_values[k]`` the
+    value to write at ``out_pos[k]`` (a stable counting sort by column, O(n + in_dim), that moves the values
+    in the same pass). Scattering in this order writes the transposed buffer front to back."""
     count = np.zeros(in_dim + 1, np.int64)
     for k in range(idx.shape[0]):
         count[idx[k] % in_dim + 1] += 1
@@ -143,7 +159,7 @@ def transposed_order(
         at = count[i]
         count[i] = at + 1
         out_pos[at] = i * stride + offset + o
-        out_perm[at] = k
+        out_values[at] = values[k]
 
 
 @njit(**NJIT)

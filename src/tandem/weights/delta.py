@@ -34,6 +34,7 @@ import zstandard
 from tandem.core.errors import TandemError
 from tandem.weights.blob import MODE_NAMES, CorruptDeltaError, parse_header
 from tandem.weights.codec import TensorEncoder, run_tasks
+from tandem.weights.decode_kernels import scatter_bits
 from tandem.weights.decoder import Patch, TensorDecoder
 from tandem.weights.seam import tensors_hash
 
@@ -204,8 +205,9 @@ def apply_delta_inplace(
 
 def warm_kernels() -> None:
     """Compile (or load from numba's cache, about 0.5 s) every kernel specialisation of the codec: encode,
-    decode and in-place apply of sparse, medium and dense deltas of bf16 and fp32 tensors, so that the first
-    real delta does not pay it. Idempotent; cheap once done (milliseconds)."""
+    decode and in-place apply of sparse, medium and dense deltas of bf16 and fp32 tensors, and the scatter
+    of host-share patches, so that the first real delta does not pay it. Idempotent; cheap once done
+    (milliseconds)."""
     rng = np.random.default_rng(0)
     for dt in (np.uint16, np.float32):
         n = 1 << 14
@@ -217,6 +219,7 @@ def warm_kernels() -> None:
             d = encode_delta({"w": p}, {"w": c})
             decode_delta({"w": p}, d)
             apply_delta_inplace({"w": p.copy()}, d)
+            scatter_bits(p.copy(), np.sort(idx).astype(np.int64), c[np.sort(idx)])  # host-share patches
 
 
 def delta_stats(delta: Delta) -> list[TensorStat]:

@@ -27,6 +27,7 @@ import numpy as np
 
 from tandem.core.errors import TandemError
 from tandem.weights.client import WeightClient
+from tandem.weights.decode_kernels import scatter_bits
 from tandem.weights.delta import Delta, prepare_delta
 from tandem.weights.manifest import FULL, PlanStep
 from tandem.weights.publish import decode_full
@@ -145,7 +146,7 @@ class WeightFollower:
         shadow = self.shadow
         self.shadow, self.version = None, None
         for name, (index, values) in patches.items():
-            shadow[name].reshape(-1)[index] = values
+            scatter_bits(shadow[name].reshape(-1), index, values)
         self.shadow, self.version = shadow, b
         self.stats["shared_patches"] = self.stats.get("shared_patches", 0) + 1
 
