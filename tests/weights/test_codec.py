@@ -13,6 +13,7 @@ from tandem.weights.blob import (
     DENSE,
     IDENT,
     MODE_NAMES,
+    QUAD,
     RAW,
     SPARSE,
     XOR_ZSTD,
@@ -60,7 +61,33 @@ def adam_like(n: int, lr: float, kind: str, seed: int = 0) -> tuple[np.ndarray, 
 def test_float_roundtrip_is_bit_exact_sparse_and_dense(kind, lr):
     prev, cur = adam_like(200_003, lr, kind)
     blob = roundtrip(prev, cur.reshape(prev.shape))
-    assert mode_of(blob) in (SPARSE, DENSE)
+    assert mode_of(blob) in (SPARSE, DENSE, QUAD)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "float16", "float32"])
+@pytest.mark.parametrize("n", [1 << 16, (1 << 16) + 1, (1 << 16) + 2, (1 << 16) + 3, (1 << CHUNK_LOG2) + 2])
+def test_dense_changes_take_the_quad_mode_bit_exactly_with_every_tail(kind, n):
+    """Dense changes of +-1 step (the classes) mixed with larger ones and specials (the escapes), for
+    element counts that leave 0-3 elements in the last quad and span two chunks."""
+    rng = np.random.default_rng(n)
+    prev = as_dtype(rng.standard_normal(n).astype(np.float32) * 0.02, kind)
+    bits = prev.view(np.uint16 if kind != "float32" else np.uint32)
+    cur_bits = bits.copy()
+    pick = rng.random(n)
+    cur_bits[pick < 0.5] += 1
+    cur_bits[(pick >= 0.5) & (pick < 0.7)] -= 1
+    big = pick >= 0.92
+    cur_bits[big] += rng.integers(2, 5000, int(big.sum())).astype(cur_bits.dtype)
+    cur = cur_bits.view(prev.dtype)
+    cur[-3:] = as_dtype(np.array(SPECIALS[:3], np.float32), kind)
+    blob = roundtrip(prev, cur)
+    assert mode_of(blob) == QUAD
+    live = prev.copy()  # the engine path: prepared against live tensors, then applied
+    dec = TensorDecoder("w", live, blob, prepare=True)
+    for t in dec.tasks():
+        t()
+    dec.patch().apply(live)
+    assert live.tobytes() == cur.tobytes()
 
 
 @pytest.mark.parametrize("kind", ["bf16", "float16", "float32"])
@@ -175,9 +202,11 @@ def test_corruption_behind_a_valid_checksum_never_crashes():
     """Flip bytes and re-seal the crc: the decoder must raise or return some tensor, never read or write
     out of bounds (the version hash of ``decode_delta`` catches what stream checks cannot)."""
     rng = np.random.default_rng(6)
-    for kind, lr in [("bf16", 3e-6), ("bf16", 1e-4), ("float32", 3e-6)]:
+    modes = set()
+    for kind, lr in [("bf16", 3e-6), ("bf16", 1e-4), ("float32", 3e-6), ("bf16", 1e-2), ("float32", 1e-1)]:
         prev, cur = adam_like(20_000, lr, kind)
         blob = encode_tensor(prev, cur)
+        modes.add(mode_of(blob))
         for _ in range(60):
             bad = bytearray(blob[:-4])
             bad[int(rng.integers(3, len(bad)))] ^= int(rng.integers(1, 256))
@@ -187,6 +216,7 @@ def test_corruption_behind_a_valid_checksum_never_crashes():
             except (CorruptDeltaError, ValueError):
                 continue
             assert out.shape == prev.shape
+    assert {SPARSE, QUAD} <= modes
 
 
 def test_mismatched_tensors_are_refused_with_names():

@@ -7,8 +7,8 @@ Layout (all integers are LEB128 varints unless sized)::
 ``crc32`` (4 bytes, little endian) covers every byte before it; ``parse_header`` verifies it first, so no
 decoder ever runs on a corrupted blob. The dtype tag is one byte for the common dtypes (see ``DTYPE_CODES``)
 or 0 followed by the length-prefixed numpy ``dtype.str``. Modes: ``IDENT`` (no payload), ``SPARSE`` and
-``DENSE`` (entropy-coded changes, see ``tandem.weights.kernels``), ``RAW`` (the new tensor's bytes),
-``XOR_ZSTD`` (zstd of ``prev XOR cur`` bytes: the fallback for dtypes without an ordered-key model).
+``DENSE`` and ``QUAD`` (entropy-coded changes, see ``tandem.weights.kernels``), ``RAW`` (the new tensor's
+bytes), ``XOR_ZSTD`` (zstd of ``prev XOR cur`` bytes: the fallback for dtypes without an ordered-key model).
 
 Ordered-key dtypes: float32 (width 32), float16 and bfloat16 (width 16). ``uint16`` is read as bfloat16 bit
 patterns, because that is how the trainer publishes bfloat16 (numpy has no bfloat16); the mapping is a
@@ -26,8 +26,10 @@ from tandem.core.errors import TandemError
 from tandem.weights.tables import read_varint, write_varint
 
 FORMAT = 0xD1
-IDENT, SPARSE, DENSE, RAW, XOR_ZSTD = range(5)
-MODE_NAMES = {IDENT: "ident", SPARSE: "sparse", DENSE: "dense", RAW: "raw", XOR_ZSTD: "xor_zstd"}
+IDENT, SPARSE, DENSE, RAW, XOR_ZSTD, QUAD = range(6)
+MODE_NAMES = {
+    IDENT: "ident", SPARSE: "sparse", DENSE: "dense", RAW: "raw", XOR_ZSTD: "xor_zstd", QUAD: "quad",
+}  # fmt: skip
 DTYPE_CODES = {"float32": 1, "float16": 2, "uint16": 3, "bfloat16": 4}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 

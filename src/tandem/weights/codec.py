@@ -6,7 +6,9 @@ Invariants:
 - ``prev`` and ``cur`` must have the same dtype and shape; a mismatch is a ``ValueError`` naming the tensor,
   both dtypes and both shapes.
 - The mode (see ``tandem.weights.blob``) is chosen per tensor by the exact estimated size of each candidate:
-  sparse gaps (rANS table or Golomb) + diffs, dense per-element symbols, or the raw new bytes.
+  sparse gaps (rANS table or Golomb) + diffs, dense per-element symbols, quads of element classes +
+  escapes (the fast dense mode, available when every chunk was too dense to list its changes), or the
+  raw new bytes.
 - Work is split into chunks of ``2**CHUNK_LOG2`` elements; chunk kernels release the GIL, so the
   ``*_tasks`` lists run in parallel on a thread pool (see ``run_tasks``) with identical output for any
   number of threads.
@@ -26,6 +28,7 @@ from tandem.weights import kernels as K
 from tandem.weights.blob import (
     DENSE,
     IDENT,
+    QUAD,
     RAW,
     SPARSE,
     XOR_ZSTD,
@@ -33,7 +36,7 @@ from tandem.weights.blob import (
     seal,
     write_header,
 )
-from tandem.weights.entropy import NEXTRA, golomb_parameter, golomb_params
+from tandem.weights.entropy import ALPHABET, NEXTRA, golomb_parameter, golomb_params
 from tandem.weights.tables import (
     Table,
     normalize,
@@ -45,6 +48,7 @@ from tandem.weights.tables import (
 CHUNK_LOG2 = 20
 SPARSE_CHUNK_BITS = 8 * 12  # per chunk: directory varints and up to two rANS final states
 DENSE_CHUNK_BITS = 8 * 24  # per chunk: directory varints and four rANS final states
+QUAD_CHUNK_BITS = 8 * 48  # per chunk: directory varints and eight rANS final states
 ZSTD_LEVEL = 3
 DENSE_FROM = 0.2  # density from which the dense decoder (per element) beats the sparse one (per change)
 SPEED_BIAS = 1.03  # the slower mode must be this much smaller to be chosen
@@ -91,12 +95,15 @@ def _sampled_density(p: np.ndarray, c: np.ndarray) -> float:
     return float(np.count_nonzero(p[::step] != c[::step])) / max(1, p[::step].shape[0])
 
 
-def _table_bits(counts: np.ndarray) -> tuple[float, np.ndarray, bytes]:
-    """Coded bits of symbols with these counts (table included), the frequencies, the serialized table."""
+def _table_bits(counts: np.ndarray, raw_bits: bool = True) -> tuple[float, np.ndarray, bytes]:
+    """Coded bits of symbols with these counts (table included; with ``raw_bits`` the symbols are diff
+    buckets and their raw low bits count too), the frequencies, the serialized table."""
     freq = normalize(counts)
     ser = bytearray()
     serialize_table(freq, ser)
-    bits = table_cost_bits(counts, freq) + float((counts * NEXTRA).sum()) + 8 * len(ser)
+    bits = table_cost_bits(counts, freq) + 8 * len(ser)
+    if raw_bits:
+        bits += float((counts * NEXTRA).sum())
     return bits, freq, bytes(ser)
 
 
@@ -106,7 +113,10 @@ class _Scan:
     idx: np.ndarray | None  # None when the chunk had more changes than the sparse capacity
     z: np.ndarray | None
     hist: np.ndarray
-    syms: np.ndarray | None = None  # dense symbols, kept for the encoder when idx is None
+    quads: np.ndarray | None = None  # quad symbols, kept for the encoder when idx is None
+    esc_z: np.ndarray | None = None  # the escapes' z in element order (with quads)
+    qhist: np.ndarray | None = None  # histogram of the quad symbols
+    ehist: np.ndarray | None = None  # histogram of the escapes' diff symbols
 
 
 class TensorEncoder:
@@ -149,11 +159,16 @@ class TensorEncoder:
             idx, z = idx[:count].copy(), z[:count].copy()
             K.change_hist(idx, z, b - a, hist)
             self.scans[k] = _Scan(count, idx, z, hist)
-        else:  # too dense to list: dense mode only
-            syms = np.empty(b - a, np.uint8)
-            K.dense_symbols(p, c, spec.sign, spec.mask, syms)
-            K.count_symbols(syms, hist[1])
-            self.scans[k] = _Scan(int(b - a - hist[1, 0]), None, None, hist, syms)
+        else:  # too dense to list: quad (or dense) mode only
+            n = b - a
+            quads, esc = np.empty((n + 3) // 4, np.uint8), np.empty(n + 4, np.uint64)
+            qhist, ehist = np.zeros(K.QUAD_ALPHABET, np.int64), np.zeros(ALPHABET, np.int64)
+            m = K.quad_scan(p, c, spec.sign, spec.mask, quads, esc, qhist, ehist)
+            classes = qhist @ K.QUAD_CLASSES  # per class; the last quad's padding counts as class 0
+            hist[1, :3] += classes[:3]
+            hist[1, 0] -= 4 * quads.shape[0] - n
+            hist[1] += ehist  # escapes are the diff symbols >= 3: the same row is the dense histogram
+            self.scans[k] = _Scan(int(n - hist[1, 0]), None, None, hist, quads, esc[:m].copy(), qhist, ehist)
 
     def _encode_fallback(self) -> None:
         pb = self.prev.reshape(-1).view(np.uint8)
@@ -182,9 +197,15 @@ class TensorEncoder:
         # Sizes decide, with a small bias for the faster decoder: sparse below DENSE_FROM, dense above.
         sparse_first = self.changed < DENSE_FROM * self.n
         options: list[tuple[float, int]] = [(8.0 * self.prev.nbytes, RAW)]
+        quad_ok = all(s.quads is not None for s in scans)
         dense_bits, self.dense_freq, self.dense_table = _table_bits(hist[1])
         dense_bits += DENSE_CHUNK_BITS * chunks
-        options.append((dense_bits * (SPEED_BIAS if sparse_first else 1), DENSE))
+        options.append((dense_bits * (SPEED_BIAS if sparse_first or quad_ok else 1), DENSE))
+        if quad_ok:
+            qbits, self.quad_freq, self.quad_table = _table_bits(np.sum([s.qhist for s in scans], 0), False)
+            ebits, self.esc_freq, self.esc_table = _table_bits(np.sum([s.ehist for s in scans], 0))
+            quad_bits = qbits + ebits + QUAD_CHUNK_BITS * chunks
+            options.append((quad_bits * (SPEED_BIAS if sparse_first else 1), QUAD))
         if all(s.idx is not None for s in scans):
             sparse_bits = self._plan_sparse(hist) + SPARSE_CHUNK_BITS * chunks
             options.append((sparse_bits * (1 if sparse_first else SPEED_BIAS), SPARSE))
@@ -193,6 +214,8 @@ class TensorEncoder:
             self._gap_t, self._diff_t = Table(self.gap_freq), Table(self.diff_freq)
         elif self.mode == DENSE:
             self._dense_t = Table(self.dense_freq)
+        elif self.mode == QUAD:
+            self._quad_t, self._esc_t = Table(self.quad_freq, K.QUAD_ALPHABET), Table(self.esc_freq)
 
     def _plan_sparse(self, hist: np.ndarray) -> float:
         diff_counts = hist[1].copy()
@@ -211,6 +234,8 @@ class TensorEncoder:
             return [partial(self._encode_sparse, k) for k in range(len(self.chunks))]
         if self.mode == DENSE:
             return [partial(self._encode_dense, k) for k in range(len(self.chunks))]
+        if self.mode == QUAD:
+            return [partial(self._encode_quad, k) for k in range(len(self.chunks))]
         return []
 
     def _encode_sparse(self, k: int) -> None:
@@ -237,14 +262,29 @@ class TensorEncoder:
         rbuf = np.empty((K.LANES, n // K.LANES + 4), np.uint16)
         bbuf = np.empty(extra // 64 + 3, np.uint64)
         starts = np.zeros(K.LANES, np.int64)
-        p, c, spec, syms = self.p[a:b], self.c[a:b], self.spec, self.scans[k].syms
-        if syms is None:
-            syms = np.empty(n, np.uint8)
-            K.dense_symbols(p, c, spec.sign, spec.mask, syms)
+        p, c, spec = self.p[a:b], self.c[a:b], self.spec
+        syms = np.empty(n, np.uint8)
+        K.dense_symbols(p, c, spec.sign, spec.mask, syms)
         w, nbits = K.encode_dense_chunk(p, c, syms, spec.sign, spec.mask, dt.enc, rbuf, bbuf, starts)
-        self.scans[k].syms = None
+        self.scans[k].quads = self.scans[k].esc_z = None
         streams = [rbuf[j, starts[j] :] for j in range(K.LANES)]
         self.parts[k] = _chunk_part([], streams, bbuf[:w], nbits)
+
+    def _encode_quad(self, k: int) -> None:
+        s = self.scans[k]
+        assert s.quads is not None and s.esc_z is not None and s.ehist is not None
+        m, nq = s.esc_z.shape[0], s.quads.shape[0]
+        esyms = np.empty(m, np.uint8)
+        bbuf = np.empty(int((s.ehist * NEXTRA).sum()) // 64 + 3, np.uint64)
+        w, nbits = K.quad_escapes(s.esc_z, esyms, bbuf)
+        qbuf, qstart = np.empty((K.LANES, nq // K.LANES + 4), np.uint16), np.zeros(K.LANES, np.int64)
+        ebuf, estart = np.empty((K.LANES, m // K.LANES + 4), np.uint16), np.zeros(K.LANES, np.int64)
+        K.encode_lanes(s.quads, self._quad_t.enc, qbuf, qstart)
+        K.encode_lanes(esyms, self._esc_t.enc, ebuf, estart)
+        s.quads = s.esc_z = None
+        streams = [qbuf[j, qstart[j] :] for j in range(K.LANES)]
+        streams += [ebuf[j, estart[j] :] for j in range(K.LANES)]
+        self.parts[k] = _chunk_part([m], streams, bbuf[:w], nbits)
 
     def blob(self) -> bytes:
         out = bytearray()
@@ -253,8 +293,11 @@ class TensorEncoder:
             out += self._fallback
         elif self.mode == RAW:
             out += memoryview(self.cur.reshape(-1).view(np.uint8))
-        elif self.mode in (SPARSE, DENSE):
-            if self.mode == SPARSE:
+        elif self.mode in (SPARSE, DENSE, QUAD):
+            if self.mode == QUAD:
+                out += self.quad_table
+                out += self.esc_table
+            elif self.mode == SPARSE:
                 out.append(self.gap_mode)
                 if self.gap_mode == K.GAP_TABLE:
                     out += self.gap_table

@@ -202,6 +202,65 @@ def decode_dense_chunk(
 
 
 @njit(**NJIT)
+def decode_quad_chunk(
+    p: np.ndarray, out: np.ndarray, qlut: np.ndarray, qfc: np.ndarray, qwords: np.ndarray, qlens: np.ndarray,
+    elut: np.ndarray, efc: np.ndarray, ewords: np.ndarray, elens: np.ndarray, escapes: int,
+    bwords: np.ndarray, nbits: int, sign: int, mask: int, qdeltas: np.ndarray, qflags: np.ndarray,
+    qescape_counts: np.ndarray,
+) -> int:  # fmt: skip
+    """Rewrite ``out`` from ``p`` and a quad chunk's streams (layout in ``tandem.weights.kernels``); 0 on
+    success, -1 if the streams are inconsistent (wrong final states, escape count, classes past the end or
+    bit count). Passes: quad symbols, escape symbols, each quad's four key changes as int8 bytes (a table
+    lookup per quad), a vectorisable patch of every element, the escapes' positions (from the quads that
+    have any, by their packed flags), then the escapes."""
+    n = p.shape[0]
+    nq = (n + 3) // 4
+    quads = np.empty(nq, np.uint8)
+    if dense_symbols_from_streams(qlut, qfc, qwords, qlens, quads) != 0:
+        return -1
+    esyms = np.empty(escapes, np.uint8)
+    if dense_symbols_from_streams(elut, efc, ewords, elens, esyms) != 0:
+        return -1
+    if n % 4 and quads[nq - 1] >> (2 * (n % 4)) != 0:
+        return -1  # classes for elements past the end
+    packed = np.empty(nq, np.uint32)
+    with_escapes = np.empty(nq + 1, np.int64)
+    total, listed = 0, 0
+    for j in range(nq):  # each quad's key changes, and the quads with escapes listed without branches
+        q = quads[j]
+        packed[j] = qdeltas[q]
+        with_escapes[listed] = j
+        listed += qescape_counts[q] != 0
+        total += qescape_counts[q]
+    if total != escapes:
+        return -1
+    step = packed.view(np.int8)
+    top, low = (15 if mask == 0xFFFF else 31), mask >> 1
+    for i in range(n):  # patched() written out branch-free, the key change read from the int8 bytes
+        u = np.int64(p[i])
+        k = (u ^ sign ^ (((u >> top) & 1) * low)) + step[i]
+        k &= mask
+        out[i] = k ^ sign ^ ((1 - ((k >> top) & 1)) * low)
+    where = np.empty(escapes + 4, np.int64)
+    m = 0
+    for t in range(listed):  # the escapes' positions, without branches
+        j = with_escapes[t]
+        flags = qflags[quads[j]]
+        for k in range(4):
+            where[m] = 4 * j + k
+            m += (flags >> (8 * k)) & 1
+    pos, nw = 0, bwords.shape[0]
+    for e in range(escapes):  # branch-free: symbols below DIRECT have BASE[s] == s and no raw bits
+        i = where[e]
+        s = esyms[e]
+        w = min(pos >> 6, nw - 2)
+        zz = BASE[s] + low_bits(peek(bwords[w], bwords[w + 1], pos & 63), NEXTRA[s])
+        pos += NEXTRA[s]
+        out[i] = patched(np.int64(p[i]), zz, sign, mask)
+    return 0 if pos == nbits else -1
+
+
+@njit(**NJIT)
 def dense_symbols_from_streams(
     dlut: np.ndarray, dfc: np.ndarray, rwords: np.ndarray, rlens: np.ndarray, syms: np.ndarray
 ) -> int:

@@ -24,6 +24,7 @@ from tandem.weights import kernels as K
 from tandem.weights.blob import (
     DENSE,
     IDENT,
+    QUAD,
     RAW,
     SPARSE,
     CorruptDeltaError,
@@ -96,7 +97,7 @@ class TensorDecoder:
         self.streams: list[_ChunkStream] = []
         self._idx: list[np.ndarray] = []
         self._vals: list[np.ndarray] = []
-        if h.mode in (SPARSE, DENSE):
+        if h.mode in (SPARSE, DENSE, QUAD):
             if self.spec is None:
                 raise CorruptDeltaError(f"delta blob of {name!r}: mode {h.mode} is invalid for {prev.dtype}")
             self._parse_streams()
@@ -114,7 +115,11 @@ class TensorDecoder:
                     self.gap_table, pos = parse_table(buf, pos)
                 else:
                     self.golomb_m, pos = read_varint(buf, pos)
-            self.table, pos = parse_table(buf, pos)
+            if h.mode == QUAD:
+                self.table, pos = parse_table(buf, pos, K.QUAD_ALPHABET)
+                self.esc_table, pos = parse_table(buf, pos)
+            else:
+                self.table, pos = parse_table(buf, pos)
             chunk = 1 << buf[pos]
             pos += 1
             for a in range(0, h.numel, chunk):
@@ -127,11 +132,12 @@ class TensorDecoder:
 
     def _parse_chunk(self, pos: int, a: int, b: int) -> int:
         buf = self.blob
-        count = 0
-        if self.sparse:
+        count = 0  # sparse: changes; quad: escapes
+        quad = self.header.mode == QUAD
+        if self.sparse or quad:
             count, pos = read_varint(buf, pos)
         lens = []
-        for _ in range(2 if self.sparse else K.LANES):
+        for _ in range(2 if self.sparse else 2 * K.LANES if quad else K.LANES):
             nr, pos = read_varint(buf, pos)
             lens.append(nr)
         nbits, pos = read_varint(buf, pos)
@@ -157,6 +163,8 @@ class TensorDecoder:
             return [partial(self._sparse, k) for k in range(len(self.streams))]
         if mode == DENSE:
             return [partial(self._dense, k) for k in range(len(self.streams))]
+        if mode == QUAD:
+            return [partial(self._quad, k) for k in range(len(self.streams))]
         if mode == IDENT:
             if self.out is None:
                 return []
@@ -191,6 +199,16 @@ class TensorDecoder:
         self.status[k] = D.decode_dense_chunk(
             p, o, t.lut, t.fc, s.rwords, s.rlens, s.bwords, s.nbits, spec.sign, spec.mask, K.DKEY
         )
+
+    def _quad(self, k: int) -> None:
+        s, t, e, spec, lanes = self.streams[k], self.table, self.esc_table, self.spec, K.LANES
+        p = self.prev.reshape(-1).view(spec.bits_dtype)[s.start : s.stop]
+        o = self.out.reshape(-1).view(spec.bits_dtype)[s.start : s.stop]
+        self.status[k] = D.decode_quad_chunk(
+            p, o, t.lut, t.fc, s.rwords[:lanes], s.rlens[:lanes], e.lut, e.fc, s.rwords[lanes:],
+            s.rlens[lanes:], s.count, s.bwords, s.nbits, spec.sign, spec.mask, K.QUAD_DELTAS,
+            K.QUAD_ESCAPE_FLAGS, K.QUAD_ESCAPES,
+        )  # fmt: skip
 
     def _whole(self) -> None:
         h, payload = self.header, self.blob[self.header.payload_start : self.header.payload_end]

@@ -10,12 +10,19 @@ Invariants:
 - ``scan_chunk`` lists the positions of at most a fixed number of changes (or reports "too dense");
   ``change_hist`` histograms gap symbols and diff symbols of ``z`` (symbol 0 = unchanged, which sparse
   streams never code, so the same row is the dense histogram).
+- Quad chunk (for dense changes, faster than one symbol per element): each element has a class, 0 for
+  ``z = 0``, 1 for ``z = 1`` (one step down), 2 for ``z = 2`` (one step up) and 3 for anything else (an
+  escape); four consecutive elements make one quad symbol ``c0 | c1 << 2 | c2 << 4 | c3 << 6`` (missing
+  elements after the end are class 0). Quad ``j`` goes to rANS stream ``j % LANES``; the escapes' ``z``,
+  in element order, are diff symbols in four more streams (escape ``e`` in stream ``e % LANES``) + raw
+  bits. The class model factorises the dense one exactly (no bits lost), with a quarter of the rANS steps.
 - Sparse chunk, per change in index order: the gap (unchanged elements since the previous change) as a
   symbol of the gap rANS stream + raw bits, or as a Golomb code in the bit stream; then the diff as a
   symbol of the diff rANS stream + raw bits. Dense chunk, per element ``i``: the diff symbol in rANS stream
   ``i % LANES`` + raw bits. Raw bits of all symbols share one bit stream, in element order. Each rANS
   stream has its own state, so decoders overlap their dependency chains.
-- Kernels do every array access themselves and call only scalar helpers (see ``tandem.weights.entropy``).
+- Kernels do every array access of their hot loops themselves and call only scalar helpers there (see
+  ``tandem.weights.entropy``); ``bw_finish`` runs once per stream, after the loop.
 """
 
 from __future__ import annotations
@@ -34,12 +41,25 @@ from tandem.weights.entropy import (
     golomb_remainder,
 )
 
+
+@njit(**NJIT)
+def bw_finish(bbuf: np.ndarray, w: int, acc: int, nb: int) -> tuple[int, int]:
+    """Store a bit stream's last partial word (outside the hot loop, so taking the array costs nothing);
+    returns (used words, total bits)."""
+    total_bits = w * 64 + nb
+    if nb > 0:
+        bbuf[w] = acc
+        w += 1
+    return w, total_bits
+
+
 # symbol -> change in key space for symbols without raw bits (0 for the others, fixed up separately)
 DKEY = np.array([((z >> 1) ^ -(z & 1)) if z < DIRECT else 0 for z in range(ALPHABET)], np.int64)
 GAP_TABLE = 0
 GAP_GOLOMB = 1
 HIST_ROWS = 2  # gap symbols, diff symbols
 LANES = 4  # interleaved rANS streams of a dense chunk
+QUAD_ALPHABET = 256  # quad symbols: four 2-bit classes
 
 
 @njit(**NJIT)
@@ -156,17 +176,6 @@ def _encode_lane(syms: np.ndarray, first: int, step: int, enc: np.ndarray, buf: 
 
 
 @njit(**NJIT)
-def count_symbols(syms: np.ndarray, hist: np.ndarray) -> None:
-    """``hist[s] += count of s``, with four sub-histograms so repeated symbols do not serialise."""
-    sub = np.zeros((4, hist.shape[0]), np.int64)
-    for i in range(syms.shape[0]):
-        sub[i & 3, syms[i]] += 1
-    for j in range(4):
-        for s in range(hist.shape[0]):
-            hist[s] += sub[j, s]
-
-
-@njit(**NJIT)
 def encode_sparse_chunk(
     idx: np.ndarray,
     z: np.ndarray,
@@ -216,10 +225,7 @@ def encode_sparse_chunk(
         acc, nb, word, full = bw_add(acc, nb, ex, ne)
         bbuf[w] = word
         w += full
-    total_bits = w * 64 + nb
-    if nb > 0:
-        bbuf[w] = acc
-        w += 1
+    w, total_bits = bw_finish(bbuf, w, acc, nb)
     rg = _encode_lane(gs, 0, 1, genc, rbuf[0]) if gap_mode == GAP_TABLE else rbuf.shape[1]
     rd = _encode_lane(ds, 0, 1, denc, rbuf[1])
     return rg, rd, w, total_bits
@@ -241,16 +247,13 @@ def encode_dense_chunk(
             acc, nb, word, full = bw_add(acc, nb, ex, ne)
             bbuf[w] = word
             w += full
-    total_bits = w * 64 + nb
-    if nb > 0:
-        bbuf[w] = acc
-        w += 1
-    _encode_lanes(syms, denc, rbuf, starts)
+    w, total_bits = bw_finish(bbuf, w, acc, nb)
+    encode_lanes(syms, denc, rbuf, starts)
     return w, total_bits
 
 
 @njit(**NJIT)
-def _encode_lanes(syms: np.ndarray, enc: np.ndarray, rbuf: np.ndarray, starts: np.ndarray) -> None:
+def encode_lanes(syms: np.ndarray, enc: np.ndarray, rbuf: np.ndarray, starts: np.ndarray) -> None:
     """``_encode_lane`` for the four lanes at once (element ``i`` in lane ``i % 4``): their four
     independent state chains interleave, so the CPU overlaps them."""
     n = syms.shape[0]
@@ -294,6 +297,80 @@ def _encode_lanes(syms: np.ndarray, enc: np.ndarray, rbuf: np.ndarray, starts: n
         rbuf[lane, r - one] = x >> wb
         rbuf[lane, r - np.uint64(2)] = x & U16
         starts[lane] = np.int64(r) - 2
+
+
+@njit(**NJIT)
+def quad_scan(
+    p: np.ndarray, c: np.ndarray, sign: int, mask: int, quads: np.ndarray, esc_z: np.ndarray,
+    qhist: np.ndarray, ehist: np.ndarray,
+) -> int:  # fmt: skip
+    """Quad symbols of one chunk into ``quads`` (``ceil(len(p) / 4)``), their histogram into ``qhist``
+    (``QUAD_ALPHABET``), the escapes' ``z`` into ``esc_z`` (``len(p) + 4`` slots) and the histogram of their
+    diff symbols into ``ehist``; returns the number of escapes. Separate loops, each simple enough for LLVM to
+    vectorise or to run without branches: classes per element, quads from each four classes' bytes, the
+    histogram, then the escapes."""
+    n = p.shape[0]
+    nq = quads.shape[0]
+    packed = np.zeros(nq, np.uint32)
+    cls = packed.view(np.uint8)  # element i's class in byte i; the last quad's missing elements stay 0
+    for i in range(n):
+        z = zigzag(to_key(np.int64(c[i]), sign, mask) - to_key(np.int64(p[i]), sign, mask))
+        cls[i] = min(z, 3)
+    for j in range(nq):
+        x = packed[j]
+        quads[j] = (x & 3) | ((x >> 6) & 0xC) | ((x >> 12) & 0x30) | ((x >> 18) & 0xC0)
+    sub = np.zeros((4, qhist.shape[0]), np.int64)  # four sub-histograms: repeated symbols do not serialise
+    for j in range(nq):
+        sub[j & 3, quads[j]] += 1
+    for j in range(4):
+        for s in range(qhist.shape[0]):
+            qhist[s] += sub[j, s]
+    where = np.empty(n + 1, np.int64)
+    m = 0
+    for i in range(n):
+        where[m] = i
+        m += cls[i] == 3
+    for e in range(m):
+        i = where[e]
+        z = zigzag(to_key(np.int64(c[i]), sign, mask) - to_key(np.int64(p[i]), sign, mask))
+        esc_z[e] = z
+        ehist[bucket(z)[0]] += 1
+    return m
+
+
+@njit(**NJIT)
+def quad_escapes(esc_z: np.ndarray, esyms: np.ndarray, bbuf: np.ndarray) -> tuple[int, int]:
+    """Diff symbols of the escapes ``esc_z`` into ``esyms`` and their raw bits into ``bbuf`` (the bits'
+    words + 3); returns (used words of ``bbuf``, total bits)."""
+    w, acc, nb = 0, np.uint64(0), 0
+    for e in range(esc_z.shape[0]):
+        s, ne, ex = bucket(np.int64(esc_z[e]))
+        esyms[e] = s
+        acc, nb, word, full = bw_add(acc, nb, ex, ne)
+        bbuf[w] = word
+        w += full
+    return bw_finish(bbuf, w, acc, nb)
+
+
+def _quad_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per quad symbol: its four key changes as packed int8 bytes (element k in byte k; escapes 0), its
+    four escape flags as packed bytes, its number of escapes, and its count of each class."""
+    step = {0: 0, 1: -1, 2: 1, 3: 0}
+    deltas = np.zeros(QUAD_ALPHABET, np.uint32)
+    flags = np.zeros(QUAD_ALPHABET, np.uint32)
+    escapes = np.zeros(QUAD_ALPHABET, np.int64)
+    classes = np.zeros((QUAD_ALPHABET, 4), np.int64)
+    for q in range(QUAD_ALPHABET):
+        for k in range(4):
+            cls = (q >> (2 * k)) & 3
+            deltas[q] |= (step[cls] & 0xFF) << (8 * k)
+            flags[q] |= int(cls == 3) << (8 * k)
+            escapes[q] += cls == 3
+            classes[q, cls] += 1
+    return deltas, flags, escapes, classes
+
+
+QUAD_DELTAS, QUAD_ESCAPE_FLAGS, QUAD_ESCAPES, QUAD_CLASSES = _quad_tables()
 
 
 def new_hist() -> np.ndarray:

@@ -8,31 +8,57 @@ decoder never builds an inconsistent lookup table. Serialisation is deterministi
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
-from tandem.weights.entropy import ALPHABET, PROB_BITS, PROB_SCALE
+from tandem.weights.entropy import ALPHABET, NJIT, PROB_BITS, PROB_SCALE
 
 
 class Table:
-    """A quantised static distribution: ``freq``/``cum`` per symbol, the decode ``lut`` per slot, and the
-    encoder rows ``enc[:, s]`` = [x_max, reciprocal, shift, bias, PROB_SCALE - freq] of ryg's rANS
+    """A quantised static distribution: ``freq``/``cum`` per symbol, and for the side that uses them (built
+    on first use: a codec builds only one side) the decode ``lut`` per slot with ``fc`` (freq | cum << 16),
+    and the encoder rows ``enc[:, s]`` = [x_max, reciprocal, shift, bias, PROB_SCALE - freq] of ryg's rANS
     reciprocal trick, so encoding needs no division."""
 
-    __slots__ = ("freq", "cum", "fc", "lut", "enc")
+    __slots__ = ("freq", "cum", "alphabet", "_fc", "_lut", "_enc")
 
-    def __init__(self, freq: np.ndarray) -> None:
-        if freq.shape[0] > ALPHABET or int(freq.sum()) != PROB_SCALE or (freq < 0).any():
-            raise ValueError(f"corrupt frequency table (sum {int(freq.sum())}, expected {PROB_SCALE})")
-        full = np.zeros(ALPHABET, np.uint32)
+    def __init__(self, freq: np.ndarray, alphabet: int = ALPHABET) -> None:
+        if freq.shape[0] > alphabet or int(freq.sum()) != PROB_SCALE or (freq < 0).any():
+            raise ValueError(
+                f"corrupt frequency table ({freq.shape[0]} symbols of at most {alphabet}, sum "
+                f"{int(freq.sum())}, expected {PROB_SCALE})"
+            )
+        full = np.zeros(alphabet, np.uint32)
         full[: freq.shape[0]] = freq
         self.freq = full
-        self.cum = np.zeros(ALPHABET, np.uint32)
+        self.alphabet = alphabet
+        self.cum = np.zeros(alphabet, np.uint32)
         self.cum[1:] = np.cumsum(full[:-1], dtype=np.uint32)
-        self.fc = full | (self.cum << np.uint32(16))  # both in one load for the decoders
-        self.lut = np.repeat(np.arange(ALPHABET, dtype=np.uint8), full)
-        self.enc = np.zeros((5, ALPHABET), np.uint64)
-        self.enc[:, full > 0] = _ENC_ROWS[:, full[full > 0]]
-        self.enc[3] += self.cum.astype(np.uint64)  # the bias includes the symbol's start
-        self.enc[3, full == 0] = 0
+        self._fc: np.ndarray | None = None
+        self._lut: np.ndarray | None = None
+        self._enc: np.ndarray | None = None
+
+    @property
+    def fc(self) -> np.ndarray:
+        if self._fc is None:
+            self._fc = self.freq | (self.cum << np.uint32(16))  # both in one load for the decoders
+        return self._fc
+
+    @property
+    def lut(self) -> np.ndarray:
+        if self._lut is None:
+            self._lut = np.repeat(np.arange(self.alphabet, dtype=np.uint8), self.freq)
+        return self._lut
+
+    @property
+    def enc(self) -> np.ndarray:
+        if self._enc is None:
+            full = self.freq
+            used = full > 0
+            enc = np.zeros((5, self.alphabet), np.uint64)
+            enc[:, used] = _ENC_ROWS[:, full[used]]
+            enc[3, used] += self.cum[used].astype(np.uint64)  # the bias includes the symbol's start
+            self._enc = enc
+        return self._enc
 
 
 def _encoder_rows() -> np.ndarray:
@@ -56,20 +82,33 @@ def normalize(counts: np.ndarray) -> np.ndarray:
 
     Floor rounding, then the rounding error is given to (or taken from) the symbols where it gains (costs)
     the most (fewest) bits, so the quantised table stays within a fraction of a percent of the entropy."""
-    counts = np.asarray(counts, np.float64)
-    used = np.flatnonzero(counts)
-    if used.size == 0:
+    return _normalize(np.ascontiguousarray(counts, np.float64))
+
+
+@njit(**NJIT)
+def _normalize(counts: np.ndarray) -> np.ndarray:
+    last = -1
+    for s in range(counts.shape[0]):
+        if counts[s] > 0:
+            last = s
+    if last < 0:
         return np.full(1, PROB_SCALE, np.int64)
-    counts = counts[: used[-1] + 1]
+    counts = counts[: last + 1]
     ideal = counts * (PROB_SCALE / counts.sum())
-    freq = np.where(counts > 0, np.maximum(1, np.floor(ideal)), 0).astype(np.int64)
-    diff = PROB_SCALE - int(freq.sum())
-    if diff > 0:  # hand the rounding surplus to the largest remainders, one unit each
+    freq = np.zeros(last + 1, np.int64)
+    used = 0
+    for s in range(last + 1):
+        if counts[s] > 0:
+            freq[s] = max(1, np.int64(np.floor(ideal[s])))
+            used += 1
+    diff = PROB_SCALE - freq.sum()
+    if diff > 0:  # hand the rounding surplus to the largest remainders, one unit each (ties: lowest symbol)
         rem = np.where(counts > 0, ideal - freq, -1.0)
-        top = np.argsort(-rem, kind="stable")[: min(diff, int((counts > 0).sum()))]
-        freq[top] += 1
+        top = np.argsort(-rem, kind="mergesort")[: min(diff, used)]
+        for s in top:
+            freq[s] += 1
         diff -= top.shape[0]
-    freq[int(np.argmax(freq))] += diff  # what is left (+ or -) goes to the most frequent symbol
+    freq[np.argmax(freq)] += diff  # what is left (+ or -) goes to the most frequent symbol
     return freq
 
 
@@ -112,34 +151,83 @@ def read_varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
 
 
 def serialize_table(freq: np.ndarray, out: bytearray) -> None:
-    """Symbol count, then per symbol its frequency; a zero is followed by the length of its zero run - 1."""
-    n = int(freq.shape[0])
-    write_varint(out, n)
+    """Symbol count, then per symbol its frequency; a zero is followed by the length of its zero run - 1
+    (all varints)."""
+    freq = np.ascontiguousarray(freq, np.int64)
+    buf = np.empty(10 + 10 * freq.shape[0], np.uint8)
+    out += buf[: _pack_table(freq, buf)].tobytes()
+
+
+def parse_table(buf: bytes | memoryview, pos: int, alphabet: int = ALPHABET) -> tuple[Table, int]:
+    """The table ``serialize_table`` wrote at ``pos`` (at most ``alphabet`` symbols) and the next offset."""
+    freq = np.zeros(alphabet, np.int64)
+    n, pos = _unpack_table(np.frombuffer(buf, np.uint8), pos, alphabet, freq)
+    if n < 1:
+        raise ValueError("corrupt frequency table: truncated, or more symbols than the alphabet")
+    return Table(freq[:n], alphabet), pos
+
+
+@njit(**NJIT)
+def _put_varint(buf: np.ndarray, k: int, v: int) -> int:
+    while v >= 0x80:
+        buf[k] = (v & 0x7F) | 0x80
+        v >>= 7
+        k += 1
+    buf[k] = v
+    return k + 1
+
+
+@njit(**NJIT)
+def _pack_table(freq: np.ndarray, buf: np.ndarray) -> int:
+    """``serialize_table``'s bytes into ``buf``; returns their count."""
+    n = freq.shape[0]
+    k = _put_varint(buf, 0, n)
     i = 0
     while i < n:
-        f = int(freq[i])
-        write_varint(out, f)
+        f = freq[i]
+        k = _put_varint(buf, k, f)
         if f == 0:
             j = i
             while j + 1 < n and freq[j + 1] == 0:
                 j += 1
-            write_varint(out, j - i)
+            k = _put_varint(buf, k, j - i)
             i = j
         i += 1
+    return k
 
 
-def parse_table(buf: bytes | memoryview, pos: int) -> tuple[Table, int]:
-    n, pos = read_varint(buf, pos)
-    if n < 1 or n > ALPHABET:
-        raise ValueError(f"corrupt frequency table: {n} symbols")
-    freq = np.zeros(n, np.int64)
+@njit(**NJIT)
+def _get_varint(buf: np.ndarray, pos: int) -> tuple[int, int]:
+    """(value, next offset), or (-1, pos) if truncated or longer than 35 bits."""
+    v, shift = 0, 0
+    while pos < buf.shape[0] and shift <= 28:
+        b = np.int64(buf[pos])
+        pos += 1
+        v |= (b & 0x7F) << shift
+        if b < 0x80:
+            return v, pos
+        shift += 7
+    return -1, pos
+
+
+@njit(**NJIT)
+def _unpack_table(buf: np.ndarray, pos: int, alphabet: int, freq: np.ndarray) -> tuple[int, int]:
+    """Read ``serialize_table``'s format at ``pos`` into ``freq``; (symbol count, next offset), or (-1, pos)
+    when it is truncated or names more than ``alphabet`` symbols."""
+    n, pos = _get_varint(buf, pos)
+    if n < 1 or n > alphabet:
+        return -1, pos
     i = 0
     while i < n:
-        f, pos = read_varint(buf, pos)
+        f, pos = _get_varint(buf, pos)
+        if f < 0:
+            return -1, pos
         if f == 0:
-            run, pos = read_varint(buf, pos)
+            run, pos = _get_varint(buf, pos)
+            if run < 0:
+                return -1, pos
             i += run
         else:
             freq[i] = f
         i += 1
-    return Table(freq), pos
+    return n, pos
