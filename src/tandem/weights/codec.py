@@ -114,7 +114,7 @@ class _Scan:
     z: np.ndarray | None
     hist: np.ndarray
     quads: np.ndarray | None = None  # quad symbols, kept for the encoder when idx is None
-    esc_z: np.ndarray | None = None  # the escapes' z in element order (with quads)
+    escapes: int = 0  # number of escapes (with quads)
     qhist: np.ndarray | None = None  # histogram of the quad symbols
     ehist: np.ndarray | None = None  # histogram of the escapes' diff symbols
 
@@ -161,14 +161,14 @@ class TensorEncoder:
             self.scans[k] = _Scan(count, idx, z, hist)
         else:  # too dense to list: quad (or dense) mode only
             n = b - a
-            quads, esc = np.empty((n + 3) // 4, np.uint8), np.empty(n + 4, np.uint64)
+            quads = np.empty((n + 3) // 4, np.uint8)
             qhist, ehist = np.zeros(K.QUAD_ALPHABET, np.int64), np.zeros(ALPHABET, np.int64)
-            m = K.quad_scan(p, c, spec.sign, spec.mask, quads, esc, qhist, ehist)
+            m = K.quad_scan(p, c, spec.sign, spec.mask, quads, qhist, ehist)
             classes = qhist @ K.QUAD_CLASSES  # per class; the last quad's padding counts as class 0
             hist[1, :3] += classes[:3]
             hist[1, 0] -= 4 * quads.shape[0] - n
             hist[1] += ehist  # escapes are the diff symbols >= 3: the same row is the dense histogram
-            self.scans[k] = _Scan(int(n - hist[1, 0]), None, None, hist, quads, esc[:m].copy(), qhist, ehist)
+            self.scans[k] = _Scan(int(n - hist[1, 0]), None, None, hist, quads, m, qhist, ehist)
 
     def _encode_fallback(self) -> None:
         pb = self.prev.reshape(-1).view(np.uint8)
@@ -266,22 +266,25 @@ class TensorEncoder:
         syms = np.empty(n, np.uint8)
         K.dense_symbols(p, c, spec.sign, spec.mask, syms)
         w, nbits = K.encode_dense_chunk(p, c, syms, spec.sign, spec.mask, dt.enc, rbuf, bbuf, starts)
-        self.scans[k].quads = self.scans[k].esc_z = None
+        self.scans[k].quads = None
         streams = [rbuf[j, starts[j] :] for j in range(K.LANES)]
         self.parts[k] = _chunk_part([], streams, bbuf[:w], nbits)
 
     def _encode_quad(self, k: int) -> None:
         s = self.scans[k]
-        assert s.quads is not None and s.esc_z is not None and s.ehist is not None
-        m, nq = s.esc_z.shape[0], s.quads.shape[0]
+        assert s.quads is not None and s.ehist is not None
+        a, b = self.chunks[k]
+        m, nq = s.escapes, s.quads.shape[0]
         esyms = np.empty(m, np.uint8)
         bbuf = np.empty(int((s.ehist * NEXTRA).sum()) // 64 + 3, np.uint64)
-        w, nbits = K.quad_escapes(s.esc_z, esyms, bbuf)
+        w, nbits = K.quad_escapes(
+            self.p[a:b], self.c[a:b], self.spec.sign, self.spec.mask, s.quads, esyms, bbuf
+        )
         qbuf, qstart = np.empty((K.LANES, nq // K.LANES + 4), np.uint16), np.zeros(K.LANES, np.int64)
         ebuf, estart = np.empty((K.LANES, m // K.LANES + 4), np.uint16), np.zeros(K.LANES, np.int64)
         K.encode_lanes(s.quads, self._quad_t.enc, qbuf, qstart)
         K.encode_lanes(esyms, self._esc_t.enc, ebuf, estart)
-        s.quads = s.esc_z = None
+        s.quads = None
         streams = [qbuf[j, qstart[j] :] for j in range(K.LANES)]
         streams += [ebuf[j, estart[j] :] for j in range(K.LANES)]
         self.parts[k] = _chunk_part([m], streams, bbuf[:w], nbits)

@@ -301,14 +301,14 @@ def encode_lanes(syms: np.ndarray, enc: np.ndarray, rbuf: np.ndarray, starts: np
 
 @njit(**NJIT)
 def quad_scan(
-    p: np.ndarray, c: np.ndarray, sign: int, mask: int, quads: np.ndarray, esc_z: np.ndarray,
-    qhist: np.ndarray, ehist: np.ndarray,
+    p: np.ndarray, c: np.ndarray, sign: int, mask: int, quads: np.ndarray, qhist: np.ndarray,
+    ehist: np.ndarray,
 ) -> int:  # fmt: skip
     """Quad symbols of one chunk into ``quads`` (``ceil(len(p) / 4)``), their histogram into ``qhist``
-    (``QUAD_ALPHABET``), the escapes' ``z`` into ``esc_z`` (``len(p) + 4`` slots) and the histogram of their
-    diff symbols into ``ehist``; returns the number of escapes. Separate loops, each simple enough for LLVM to
-    vectorise or to run without branches: classes per element, quads from each four classes' bytes, the
-    histogram, then the escapes."""
+    (``QUAD_ALPHABET``) and the histogram of the escapes' diff symbols into ``ehist``; returns the number
+    of escapes (``quad_escapes`` recomputes them, so a dense chunk keeps only a quarter byte per element
+    between the two phases). Separate loops, each simple enough for LLVM to vectorise or to run without
+    branches: classes per element, quads from each four classes' bytes, the histogram, then the escapes."""
     n = p.shape[0]
     nq = quads.shape[0]
     packed = np.zeros(nq, np.uint32)
@@ -332,23 +332,31 @@ def quad_scan(
         m += cls[i] == 3
     for e in range(m):
         i = where[e]
-        z = zigzag(to_key(np.int64(c[i]), sign, mask) - to_key(np.int64(p[i]), sign, mask))
-        esc_z[e] = z
-        ehist[bucket(z)[0]] += 1
+        ehist[bucket(zigzag(to_key(np.int64(c[i]), sign, mask) - to_key(np.int64(p[i]), sign, mask)))[0]] += 1
     return m
 
 
 @njit(**NJIT)
-def quad_escapes(esc_z: np.ndarray, esyms: np.ndarray, bbuf: np.ndarray) -> tuple[int, int]:
-    """Diff symbols of the escapes ``esc_z`` into ``esyms`` and their raw bits into ``bbuf`` (the bits'
-    words + 3); returns (used words of ``bbuf``, total bits)."""
-    w, acc, nb = 0, np.uint64(0), 0
-    for e in range(esc_z.shape[0]):
-        s, ne, ex = bucket(np.int64(esc_z[e]))
-        esyms[e] = s
-        acc, nb, word, full = bw_add(acc, nb, ex, ne)
-        bbuf[w] = word
-        w += full
+def quad_escapes(
+    p: np.ndarray, c: np.ndarray, sign: int, mask: int, quads: np.ndarray, esyms: np.ndarray,
+    bbuf: np.ndarray,
+) -> tuple[int, int]:  # fmt: skip
+    """Diff symbols of the escapes (class-3 elements of ``quads``, in element order) into ``esyms`` and
+    their raw bits into ``bbuf`` (the bits' words + 3); returns (used words of ``bbuf``, total bits)."""
+    w, acc, nb, e = 0, np.uint64(0), 0, 0
+    for j in range(quads.shape[0]):
+        q = np.int64(quads[j])
+        if q & (q >> 1) & 0x55:  # some class is 3
+            for k in range(4):
+                if (q >> (2 * k)) & 3 == 3:
+                    i = 4 * j + k
+                    z = zigzag(to_key(np.int64(c[i]), sign, mask) - to_key(np.int64(p[i]), sign, mask))
+                    s, ne, ex = bucket(z)
+                    esyms[e] = s
+                    e += 1
+                    acc, nb, word, full = bw_add(acc, nb, ex, ne)
+                    bbuf[w] = word
+                    w += full
     return bw_finish(bbuf, w, acc, nb)
 
 
