@@ -275,11 +275,12 @@ class TensorEncoder:
         assert s.quads is not None and s.ehist is not None
         a, b = self.chunks[k]
         m, nq = s.escapes, s.quads.shape[0]
-        esyms = np.empty(m, np.uint8)
+        esyms = np.empty(m + 1, np.uint8)  # one spare slot (see quad_escapes)
         bbuf = np.empty(int((s.ehist * NEXTRA).sum()) // 64 + 3, np.uint64)
         w, nbits = K.quad_escapes(
             self.p[a:b], self.c[a:b], self.spec.sign, self.spec.mask, s.quads, esyms, bbuf
         )
+        esyms = esyms[:m]
         qbuf, qstart = np.empty((K.LANES, nq // K.LANES + 4), np.uint16), np.zeros(K.LANES, np.int64)
         ebuf, estart = np.empty((K.LANES, m // K.LANES + 4), np.uint16), np.zeros(K.LANES, np.int64)
         K.encode_lanes(s.quads, self._quad_t.enc, qbuf, qstart)

@@ -341,22 +341,33 @@ def quad_escapes(
     p: np.ndarray, c: np.ndarray, sign: int, mask: int, quads: np.ndarray, esyms: np.ndarray,
     bbuf: np.ndarray,
 ) -> tuple[int, int]:  # fmt: skip
-    """Diff symbols of the escapes (class-3 elements of ``quads``, in element order) into ``esyms`` and
-    their raw bits into ``bbuf`` (the bits' words + 3); returns (used words of ``bbuf``, total bits)."""
-    w, acc, nb, e = 0, np.uint64(0), 0, 0
-    for j in range(quads.shape[0]):
+    """Diff symbols of the escapes (class-3 elements of ``quads``, in element order) into ``esyms`` (one
+    slot more than there are escapes: a skipped element writes its symbol to the next free slot, which the
+    next escape overwrites) and their raw bits into ``bbuf`` (the bits' words + 3); returns (used words of
+    ``bbuf``, total bits). The
+    quads with escapes are listed first, then each of their four elements is coded or skipped without
+    branches (an element that is not an escape adds no symbol and no bits)."""
+    nq, n = quads.shape[0], p.shape[0]
+    listed = np.empty(nq + 1, np.int64)
+    count = 0
+    for j in range(nq):
         q = np.int64(quads[j])
-        if q & (q >> 1) & 0x55:  # some class is 3
-            for k in range(4):
-                if (q >> (2 * k)) & 3 == 3:
-                    i = 4 * j + k
-                    z = zigzag(to_key(np.int64(c[i]), sign, mask) - to_key(np.int64(p[i]), sign, mask))
-                    s, ne, ex = bucket(z)
-                    esyms[e] = s
-                    e += 1
-                    acc, nb, word, full = bw_add(acc, nb, ex, ne)
-                    bbuf[w] = word
-                    w += full
+        listed[count] = j
+        count += (q & (q >> 1) & 0x55) != 0  # some class is 3
+    w, acc, nb, e = 0, np.uint64(0), 0, 0
+    for t in range(count):
+        j = listed[t]
+        q = np.int64(quads[j])
+        for k in range(4):
+            i = min(4 * j + k, n - 1)  # past the end only in the last quad, whose classes there are 0
+            hit = ((q >> (2 * k)) & 3) == 3
+            z = zigzag(to_key(np.int64(c[i]), sign, mask) - to_key(np.int64(p[i]), sign, mask))
+            s, ne, ex = bucket(z)
+            esyms[min(e, esyms.shape[0] - 1)] = s
+            e += hit
+            acc, nb, word, full = bw_add(acc, nb, ex * hit, ne * hit)
+            bbuf[w] = word
+            w += full
     return bw_finish(bbuf, w, acc, nb)
 
 
