@@ -211,11 +211,13 @@ class TensorEncoder:
             options.append((sparse_bits * (1 if sparse_first else SPEED_BIAS), SPARSE))
         self.mode = min(options)[1]
         if self.mode == SPARSE:
-            self._gap_t, self._diff_t = Table(self.gap_freq), Table(self.diff_freq)
+            self._gap_t = Table(self.gap_freq, side="encode")
+            self._diff_t = Table(self.diff_freq, side="encode")
         elif self.mode == DENSE:
-            self._dense_t = Table(self.dense_freq)
+            self._dense_t = Table(self.dense_freq, side="encode")
         elif self.mode == QUAD:
-            self._quad_t, self._esc_t = Table(self.quad_freq, K.QUAD_ALPHABET), Table(self.esc_freq)
+            self._quad_t = Table(self.quad_freq, K.QUAD_ALPHABET, side="encode")
+            self._esc_t = Table(self.esc_freq, side="encode")
 
     def _plan_sparse(self, hist: np.ndarray) -> float:
         diff_counts = hist[1].copy()

@@ -14,14 +14,17 @@ from tandem.weights.entropy import ALPHABET, NJIT, PROB_BITS, PROB_SCALE
 
 
 class Table:
-    """A quantised static distribution: ``freq``/``cum`` per symbol, and for the side that uses them (built
-    on first use: a codec builds only one side) the decode ``lut`` per slot with ``fc`` (freq | cum << 16),
-    and the encoder rows ``enc[:, s]`` = [x_max, reciprocal, shift, bias, PROB_SCALE - freq] of ryg's rANS
-    reciprocal trick, so encoding needs no division."""
+    """A quantised static distribution: ``freq``/``cum`` per symbol, the decode ``lut`` per slot with ``fc``
+    (freq | cum << 16), and the encoder rows ``enc[:, s]`` = [x_max, reciprocal, shift, bias, PROB_SCALE -
+    freq] of ryg's rANS reciprocal trick, so encoding needs no division. ``side`` ("encode", "decode" or
+    "both") says which half to build now, in the constructing thread (the codec's worker threads then only
+    read it); the other half is built on first use."""
 
     __slots__ = ("freq", "cum", "alphabet", "_fc", "_lut", "_enc")
 
-    def __init__(self, freq: np.ndarray, alphabet: int = ALPHABET) -> None:
+    def __init__(self, freq: np.ndarray, alphabet: int = ALPHABET, side: str = "both") -> None:
+        if side not in ("encode", "decode", "both"):
+            raise ValueError(f"side={side!r} must be 'encode', 'decode' or 'both'")
         if freq.shape[0] > alphabet or int(freq.sum()) != PROB_SCALE or (freq < 0).any():
             raise ValueError(
                 f"corrupt frequency table ({freq.shape[0]} symbols of at most {alphabet}, sum "
@@ -36,6 +39,10 @@ class Table:
         self._fc: np.ndarray | None = None
         self._lut: np.ndarray | None = None
         self._enc: np.ndarray | None = None
+        if side != "decode":
+            self.enc  # noqa: B018 - built now, see the class docstring
+        if side != "encode":
+            self.lut, self.fc  # noqa: B018
 
     @property
     def fc(self) -> np.ndarray:
@@ -164,7 +171,7 @@ def parse_table(buf: bytes | memoryview, pos: int, alphabet: int = ALPHABET) -> 
     n, pos = _unpack_table(np.frombuffer(buf, np.uint8), pos, alphabet, freq)
     if n < 1:
         raise ValueError("corrupt frequency table: truncated, or more symbols than the alphabet")
-    return Table(freq[:n], alphabet), pos
+    return Table(freq[:n], alphabet, side="decode"), pos
 
 
 @njit(**NJIT)
