@@ -167,6 +167,7 @@ def test_engines_of_a_host_share_one_decode_per_delta_and_never_apply_a_bad_patc
         publisher.publish(0, _bf16_state(trainer_model))
         assert all(s.sync(0)["full"] for s in syncs)  # full reloads are never shared
         assert not list(share.path.glob("*.patch"))
+        assert not any(e._deferred for e in engines)  # a full sync's late writes (second bank) are done
         for version in (1, 2):
             _step(trainer_model, g)
             publisher.publish(version, _bf16_state(trainer_model))
@@ -175,6 +176,12 @@ def test_engines_of_a_host_share_one_decode_per_delta_and_never_apply_a_bad_patc
             assert rest[0]["shared_steps"] == 1 and rest[0]["downloaded_bytes"] == 0
             assert rest[0]["patched_elements"] == lead["patched_elements"] > 0
             _assert_serves(engines[1], _bf16_state(trainer_model))
+            # the shared step reached the shadow too (after the engine's pause), bit for bit
+            assert syncs[1].follower.version == version
+            assert syncs[1].follower.check_patch(version, version + 1, {}) is True
+            mine = syncs[1].follower.shadow
+            for name, t in syncs[0].follower.shadow.items():
+                np.testing.assert_array_equal(mine[name].view(np.uint16), t.view(np.uint16))
         # The third engine is two versions behind: it applies the chain 0 -> 1 -> 2 from the share.
         lag = syncs[2].sync(2)
         assert lag["shared_steps"] == 2 and lag["downloaded_bytes"] == 0

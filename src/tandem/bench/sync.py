@@ -15,13 +15,16 @@ fraction); the default training run's lr (1e-4) changes far more of them.
 
 Measured, in order:
 1. Every engine loads version 0 (a full snapshot) through its relay.
-2. ``delta_s``: ``deltas`` times, a new version is published as a delta; the time from the start of publish
-   to every engine serving it (fetch through the relay, decode, verify, patch; an engine serves the version
-   from the end of its pause, its ``live_at``; the writes it leaves for after the pause, such as bringing
-   its second weight bank up to date, are in ``engine_total_s``, not here). The mean is reported;
-   ``pause_ms`` is the largest engine pause of a patch. ``breakdown`` splits it: the publish (encode, hash,
-   write), and per engine (mean over engines) the fetch, the decode with verification, the pause, and the
-   engine's whole sync.
+2. ``delta_s``: after ``warmup_deltas`` (default 1) untimed deltas, ``deltas`` times, a new version is
+   published as a delta; the time from the start of publish to every engine serving it (fetch through the
+   relay, decode, verify, patch; an engine serves the version from the end of its pause, its ``live_at``;
+   the writes it leaves for after the pause, such as bringing its second weight bank up to date, are in
+   ``engine_total_s``, not here). The mean is reported; ``pause_ms`` is the largest engine pause of a
+   patch. ``breakdown`` splits it: the publish (encode, hash, write), and per engine (mean over engines)
+   the fetch, the decode with verification, the pause, and the engine's whole sync. ``first_delta_s`` is
+   the first warm-up delta's time, reported apart: the first delta each process handles after start-up
+   (its first share files, patch plans and decodes of real data), a one-off in an engine's lifetime
+   rather than the steady state a training run lives in.
 3. ``full_s``: the same newest version published as a full snapshot to a second store (no delta available,
    nothing cached at the relays); the time from publish to every engine serving it through a full reload;
    ``full_reload_ms`` is the largest engine pause of that reload.
@@ -138,27 +141,32 @@ def run_sync_bench(
     warmup: int = 3,
     size: str = "100m",
     host_share: bool = True,
+    warmup_deltas: int = 1,
 ) -> dict[str, Any]:
     """Run the benchmark of the module docstring; returns its JSON object. ``model_path`` is the shipped
     model (``size="default"`` serves it; other sizes take its tokenizer)."""
     from tandem.weights import WeightStore, serve_store
     from tandem.weights.publish import WeightPublisher
 
-    if relays < 1 or engines < 1 or deltas < 1 or bandwidth_mbps <= 0:
-        raise ValueError("relays, engines and deltas must be >= 1 and bandwidth_mbps > 0")
+    if relays < 1 or engines < 1 or deltas < 1 or bandwidth_mbps <= 0 or warmup_deltas < 0:
+        raise ValueError(
+            "relays, engines and deltas must be >= 1, warmup_deltas >= 0 and bandwidth_mbps > 0; got "
+            f"relays={relays}, engines={engines}, deltas={deltas}, warmup_deltas={warmup_deltas}, "
+            f"bandwidth_mbps={bandwidth_mbps}"
+        )
     if size not in SIZES:
         raise ValueError(f"size {size!r} is not one of {list(SIZES)}")
     lr = DEFAULT_LR[size] if lr is None else lr
     root = Path(tempfile.mkdtemp(prefix="tandem-bench-sync-"))
     share = tempfile.mkdtemp(prefix="tandem-bench-share-", dir=default_share_root()) if host_share else None
     model_path = _model_dir(size, model_path, root)
-    versions = _versions(model_path, deltas, lr, warmup)
+    versions = _versions(model_path, warmup_deltas + deltas, lr, warmup)
     if not ray.is_initialized():
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     store = WeightStore.open(root / "store", create=True, snapshot_every=10_000)
     full_store = WeightStore.open(root / "full_store", create=True, snapshot_every=1)
     servers = [serve_store(store), serve_store(full_store)]
-    publisher = WeightPublisher(store, keep_versions=deltas + 2)
+    publisher = WeightPublisher(store, keep_versions=warmup_deltas + deltas + 2)
     actors: list[Any] = []
     try:
         relay_sets = []
@@ -176,13 +184,20 @@ def run_sync_bench(
         ray.get([e.sync.remote(0) for e in eng])
 
         ray.get(eng[0].start_load.remote())
+        first_delta_s = None
+        for v in range(1, warmup_deltas + 1):  # untimed: each process's first delta (see docstring)
+            t0 = time.time()
+            publisher.publish(v, versions[v])
+            results = ray.get([e.sync.remote(v) for e in eng])
+            if first_delta_s is None:
+                first_delta_s = max(r["live_at"] for r in results) - t0
         time.sleep(1.0)  # the load reaches a steady state
         delta_times, pauses, delta_bytes, busy = [], [], [], 0.0
         tokens_during = 0
         publish_s: list[float] = []
         parts: dict[str, list[float]] = {"fetch_s": [], "decode_s": [], "pause_s": [], "total_s": []}
         shared_steps = 0
-        for v in range(1, deltas + 1):
+        for v in range(warmup_deltas + 1, warmup_deltas + deltas + 1):
             t0 = time.time()
             tok0 = ray.get(eng[0].tokens.remote())
             report = publisher.publish(v, versions[v])
@@ -218,9 +233,10 @@ def run_sync_bench(
         mean_delta_bytes = float(np.mean(delta_bytes))
         delta_s = float(np.mean(delta_times))
         bound_s = mean_delta_bytes / bandwidth_bytes
+        timed = versions[warmup_deltas:]
         changed = [
             sum(int(np.count_nonzero(b[k] != a[k])) for k in b) / sum(t.size for t in b.values())
-            for a, b in zip(versions[:-1], versions[1:], strict=True)
+            for a, b in zip(timed[:-1], timed[1:], strict=True)
         ]
         out = {
             "size": size,
@@ -236,6 +252,8 @@ def run_sync_bench(
             "full_bytes": int(full_report.nbytes),
             "raw_bytes": int(full_report.raw_bytes),
             "delta_s": round(delta_s, 4),
+            "warmup_deltas": warmup_deltas,
+            "first_delta_s": None if first_delta_s is None else round(first_delta_s, 4),
             "full_s": round(full_s, 4),
             "speedup": round(full_s / max(delta_s, 1e-9), 3),
             "bound_s": round(bound_s, 4),

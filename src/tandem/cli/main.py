@@ -271,6 +271,9 @@ def bench_sync(
     engines: Annotated[int, typer.Option(help="Engine processes, spread over the relays.")] = 4,
     bandwidth_mbps: Annotated[float, typer.Option(help="Each relay's upstream link, Mbit/s.")] = 100.0,
     deltas: Annotated[int, typer.Option(help="Delta versions to publish and time.")] = 3,
+    warmup_deltas: Annotated[
+        int, typer.Option(help="Untimed delta versions first (the first one is reported as first_delta_s).")
+    ] = 1,
     lr: Annotated[
         float | None, typer.Option(help="Learning rate of the real trainer steps (default: per size).")
     ] = None,
@@ -294,7 +297,15 @@ def bench_sync(
 
     try:
         out = run_sync_bench(
-            path, relays, engines, bandwidth_mbps, deltas, lr, size=size, host_share=host_share
+            path,
+            relays,
+            engines,
+            bandwidth_mbps,
+            deltas,
+            lr,
+            size=size,
+            host_share=host_share,
+            warmup_deltas=warmup_deltas,
         )
     except ValueError as e:
         fail(str(e))

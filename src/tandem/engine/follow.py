@@ -10,12 +10,14 @@ Invariants:
   at normal priority. The writes a built-in engine leaves for after its pause (its other weight bank, its
   parameters) run on a third thread at nice 19 once the engine serves the new version, so on a host with
   several engines they do not delay the engines still on their way to their pause; ``sync`` returns once
-  they are done.
+  they are done (after a full reload too: its second weight bank is built then, not on the next delta).
 - The engine is only ever given weights the follower verified against the store's recorded hash
   (``tandem.weights.follow``); if verification and the snapshot recovery both fail, the engine keeps its
   current version and the error propagates.
 - With a host share (``tandem.weights.hostshare``), an engine at version ``a`` first applies the verified
-  patches ``a -> b`` other engines of its host wrote (read without a lock, in parallel with the others);
+  patches ``a -> b`` other engines of its host wrote (read without a lock, in parallel with the others;
+  when a single patch reaches the target, the engine is patched first and the shadow follows after the
+  pause on the nice-19 thread, before ``sync`` returns, so the shadow never lags once ``sync`` is done);
   only when the next one is missing does it take the share's lock, look again, and, when still missing,
   advance from the store itself and write its verified patch for the others, whom the lock holds back
   meanwhile. Full reloads are never shared.
@@ -81,13 +83,15 @@ class EngineWeightSync:
         until done; the work runs on the follower's lower-priority worker thread."""
         return self._worker.submit(self._sync, target).result()
 
-    def _advance(self, target: int | None) -> tuple[Advance, Patches | None]:
+    def _advance(self, target: int | None) -> tuple[Advance, Patches | None, tuple[int, int] | None]:
         """Advance the follower to ``target``: through the host share's patches as far as they reach, then
         from the store (see module invariants). Also returns the engine patch when it is already at hand
-        (one shared step, or the patch this engine wrote for the others), so it is not gathered twice."""
+        (one shared step, or the patch this engine wrote for the others), so it is not gathered twice, and,
+        when that one shared step ``(a, b)`` reaches ``target`` directly, leaves it for the caller to apply
+        to the shadow after the engine's pause (the shadow is then still at ``a``)."""
         start = self.follower.version
         if self.share is None or start is None or self.follower.shadow is None:
-            return self.follower.advance(target), None
+            return self.follower.advance(target), None, None
         if target is None:
             target = self.follower.latest()
             if target is None:
@@ -104,6 +108,9 @@ class EngineWeightSync:
                 if got is None:
                     break
                 b, step = got
+                if b == target and not steps and self.follower.check_patch(a, b, step):
+                    self.stats["shared_read_s_total"] += time.perf_counter() - t0
+                    return Advance(target, False, {}), step, (a, b)
                 self.follower.apply_patch(a, b, step)
                 self.stats["shared_patches"] += 1
                 steps.append(step)
@@ -128,14 +135,14 @@ class EngineWeightSync:
             for name, (index, _) in step.items():
                 shared[name] = _union(shared[name], index) if name in shared else index
         if adv is None:
-            return Advance(target, False, shared), steps[0] if len(steps) == 1 else None
+            return Advance(target, False, shared), steps[0] if len(steps) == 1 else None, None
         if adv.full:
-            return adv, None
+            return adv, None, None
         if not shared:
-            return adv, written
+            return adv, written, None
         for name, idx in shared.items():  # what the share moved before the store took over
             adv.changes[name] = _union(adv.changes[name], idx) if name in adv.changes else idx
-        return adv, None
+        return adv, None, None
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
@@ -145,14 +152,18 @@ class EngineWeightSync:
         with self._lock:
             if target is not None and self.engine.version >= target and self.follower.version is not None:
                 return {"version": self.engine.version, "pause_s": 0.0, "skipped": True}
-            t0 = time.perf_counter()
+            t0, started_at = time.perf_counter(), time.time()
             shared_before = self.stats["shared_patches"]
-            adv, ready = self._advance(target)
+            adv, ready, later = self._advance(target)
+            advanced_at = time.time()
             shadow = self.follower.shadow
-            assert shadow is not None and self.follower.version == adv.version
+            at = adv.version if later is None else later[0]  # a deferred shared step: the shadow is at a
+            assert shadow is not None and self.follower.version == at
             if adv.full:
                 pause = self.engine.update_weights(adv.version, shadow)
                 live_at = time.time()
+                if self._defers:  # e.g. the second weight bank: built now, not on the next delta's way
+                    self._flusher.submit(self.engine.flush_deferred).result()
                 self.stats["full_reloads"] += 1
                 self.stats["full_reload_s_last"] = pause
                 patched = sum(int(t.size) for t in shadow.values())
@@ -162,9 +173,12 @@ class EngineWeightSync:
                 on_live = lambda: live.append(time.time())  # noqa: E731
                 if self._defers:
                     pause = self.engine.patch_weights(adv.version, patches, on_live, flush=False)
-                    self._flusher.submit(self.engine.flush_deferred).result()  # at nice 19, see above
                 else:
                     pause = self.engine.patch_weights(adv.version, patches, on_live)
+                if later is not None:  # the shared step's shadow write, off the way to the pause
+                    self._flusher.submit(self._apply_shared, *later, patches).result()
+                if self._defers:
+                    self._flusher.submit(self.engine.flush_deferred).result()  # at nice 19, see above
                 live_at = live[0]
                 patched = sum(len(ix) for ix, _ in patches.values())
             s = self.stats
@@ -185,9 +199,16 @@ class EngineWeightSync:
                 "downloaded_bytes": adv.downloaded_bytes,
                 "patched_elements": patched,
                 "total_s": time.perf_counter() - t0,
+                "started_at": started_at,  # wall clock when this sync began (it held the sync lock)
+                "advanced_at": advanced_at,  # when the shadow reached the version (fetched or shared)
                 "live_at": live_at,  # wall clock when the engine started serving this version
                 "shared_steps": int(self.stats["shared_patches"] - shared_before),  # patches from the share
             }
+
+    def _apply_shared(self, a: int, b: int, patches: Patches) -> None:
+        """Move the shadow along the shared step ``a -> b`` the engine already serves."""
+        self.follower.apply_patch(a, b, patches)
+        self.stats["shared_patches"] += 1
 
 
 def _lower_priority(nice: int) -> None:

@@ -131,6 +131,19 @@ class WeightFollower:
             else:
                 out.changes[name] = idx
 
+    def check_patch(self, a: int, b: int, patches: dict[str, tuple[np.ndarray, np.ndarray]]) -> bool:
+        """True when :meth:`apply_patch` would accept the patch ``a -> b`` now: the shadow is at exactly
+        ``a`` and holds every tensor it names, with at least as many elements as the indices reach."""
+        if self.shadow is None or self.version != a:
+            return False
+        for name, (index, values) in patches.items():
+            t = self.shadow.get(name)
+            if t is None or not t.flags.c_contiguous or index.shape != values.shape:
+                return False
+            if index.size and not 0 <= int(index[0]) <= int(index[-1]) < t.size:
+                return False
+        return True
+
     def apply_patch(self, a: int, b: int, patches: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
         """Move the shadow from version ``a`` to ``b`` by a verified patch another follower of the same store
         made (``tandem.weights.hostshare``); refused unless the shadow is at exactly ``a``."""

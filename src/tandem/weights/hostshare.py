@@ -10,6 +10,8 @@ weights without downloading or decoding anything.
 Invariants:
 - A leader writes a patch only after its own shadow reached version ``b`` and was verified against the
   store's hash of ``b``, starting from its verified version ``a``; the file appears by an atomic rename.
+- A patch file is never changed once its name exists: readers map it privately (``mmap`` copy-on-write, no
+  read copy), and the writer only ever unlinks old files, which a live mapping survives.
 - A patch file carries a BLAKE3 digest of its body, checked on every read; a file that is missing,
   truncated, corrupt or for another step is never applied: ``read`` returns None and the caller follows the
   store itself.
@@ -28,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import mmap
 import os
 import struct
 import tempfile
@@ -77,7 +80,7 @@ class HostShare:
     def write(self, a: int, b: int, patches: Patches) -> Path:
         """Publish the verified patch ``a -> b`` (atomic); returns its path."""
         header: list[dict[str, object]] = []
-        parts: list[bytes] = []
+        parts: list[memoryview] = []  # the arrays' own bytes: hashed and written without a copy
         for name in sorted(patches):
             index, values = patches[name]
             index = np.ascontiguousarray(index, dtype=np.int64)
@@ -85,7 +88,7 @@ class HostShare:
             if index.shape != values.shape or index.ndim != 1:
                 raise ValueError(f"patch of {name!r}: indices {index.shape} and values {values.shape} differ")
             header.append({"name": name, "n": int(index.size), "dtype": values.dtype.str})
-            parts += [index.tobytes(), values.tobytes()]
+            parts += [memoryview(index).cast("B"), memoryview(values.view(np.uint8)).cast("B")]
         head = json.dumps({"from": a, "to": b, "tensors": header}).encode()
         h = blake3.blake3(head)
         for p in parts:
@@ -120,10 +123,14 @@ class HostShare:
             return None
         try:
             with open(self._file(a, b), "rb") as f:
-                data = bytearray(os.fstat(f.fileno()).st_size)  # writable: the arrays become tensors
-                if f.readinto(data) != len(data):
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
                     return None
-        except OSError:
+                # A private copy-on-write mapping: no read copy, and writable (the arrays become tensors).
+                # Patch files are never modified in place (atomic rename; old ones are unlinked, which a
+                # mapping survives), so the mapping always holds the bytes the digest is checked over.
+                data = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        except (OSError, ValueError):
             return None
         return (b, patches) if (patches := _parse(data, a, b)) is not None else None
 
@@ -134,10 +141,10 @@ class HostShare:
                 old.unlink()
 
 
-def _parse(data: bytearray, a: int, b: int) -> Patches | None:
-    """The patches of a patch file's bytes, or None if they are not an intact patch ``a -> b``."""
+def _parse(data: mmap.mmap | bytearray, a: int, b: int) -> Patches | None:
+    """The patches of a patch file's bytes (writable), or None if they are not an intact patch ``a -> b``."""
     start = len(MAGIC) + 32 + _LEN.size
-    if len(data) < start or not data.startswith(MAGIC):
+    if len(data) < start or data[: len(MAGIC)] != MAGIC:
         return None
     digest = data[len(MAGIC) : len(MAGIC) + 32]
     (head_len,) = _LEN.unpack_from(data, len(MAGIC) + 32)
