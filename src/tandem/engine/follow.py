@@ -200,7 +200,8 @@ class EngineWeightSync:
                 "patched_elements": patched,
                 "total_s": time.perf_counter() - t0,
                 "started_at": started_at,  # wall clock when this sync began (it held the sync lock)
-                "advanced_at": advanced_at,  # when the shadow reached the version (fetched or shared)
+                # when the verified patch was at hand (a single shared step's shadow write follows the pause)
+                "advanced_at": advanced_at,
                 "live_at": live_at,  # wall clock when the engine started serving this version
                 "shared_steps": int(self.stats["shared_patches"] - shared_before),  # patches from the share
             }
