@@ -143,6 +143,40 @@ def test_sync_work_runs_below_the_process_priority_and_bad_nice_is_refused(serve
         load_config(overrides=["weights.follow_nice=-1"])
 
 
+def test_sync_threads_of_a_niced_process_still_rank_well_below_its_engine():
+    """Ray starts worker processes (engine actors) at nice 15, which leaves 4 nice levels: the sync thread
+    then becomes SCHED_IDLE, not nice 19 (2.4x below the engine instead of the 10 levels' 9.3x)."""
+    import os
+    import subprocess
+    import sys
+
+    from tandem.engine.follow import lower_priority_plan
+
+    assert lower_priority_plan(0, 10) == ("nice", 10)
+    assert lower_priority_plan(5, 10) == ("nice", 15)
+    assert lower_priority_plan(15, 10) == ("idle", 19)
+    assert lower_priority_plan(15, 0) == ("nice", 15)
+    if not hasattr(os, "SCHED_IDLE"):
+        pytest.skip("no SCHED_IDLE on this platform")
+    code = (
+        "import os, threading\n"
+        "from tandem.engine.follow import _lower_priority\n"
+        "os.nice(15 - os.nice(0))\n"
+        "out = []\n"
+        "def probe():\n"
+        "    _lower_priority(10)\n"
+        "    tid = threading.get_native_id()\n"
+        "    idle = os.sched_getscheduler(tid) == os.SCHED_IDLE\n"
+        "    out.append((idle, os.getpriority(os.PRIO_PROCESS, tid)))\n"
+        "t = threading.Thread(target=probe); t.start(); t.join()\n"
+        "main = os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER\n"
+        "print(out[0][0], out[0][1], main)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "19", "True"]
+
+
 def _assert_serves(engine, published):
     state = engine.model.state_dict()
     for name, bits in published.items():

@@ -444,7 +444,9 @@ class WeightsConfig(Section):
     """Parallel HTTP connections an engine uses to download a version's blobs."""
     follow_nice: int = Field(10, ge=0, le=19)
     """Niceness of an engine's weight-sync thread (download, decode, verify) relative to its process, so
-    that on a shared machine serving keeps the CPU while the next version is prepared. 0: same priority."""
+    that on a shared machine serving keeps the CPU while the next version is prepared. 0: same priority.
+    Where the process is already niced (Ray starts actors at 15) and fewer levels are left, the thread runs
+    SCHED_IDLE when that comes closer to the asked-for CPU share than nice 19."""
     relays: int = 0
     """Relays between the store server and the engines (one per region in production; local processes
     here). 0: engines fetch from the store server directly."""

@@ -5,10 +5,12 @@ Invariants:
   serving (the thread first loads the codec's compiled kernels, so the first delta does not pay that); the
   engine pauses only inside ``patch_weights`` (changed elements) or, after a snapshot recovery or at the
   first sync, ``update_weights`` (a full reload). The worker thread, and the download and decode threads it
-  starts, run ``nice`` levels below the process (Linux thread niceness), so on a busy machine serving keeps
-  the CPU and the sync takes what is left; the pause itself runs on the engine's loop thread
-  at normal priority. The writes a built-in engine leaves for after its pause (its other weight bank, its
-  parameters) run on a third thread at nice 19 once the engine serves the new version, so on a host with
+  starts, run ``nice`` levels below the process (Linux thread niceness) as far as the kernel allows (see
+  ``lower_priority_plan``: in a process that already runs niced, such as a Ray actor at nice 15, the threads
+  run ``SCHED_IDLE``), so on a busy machine serving keeps the CPU and the sync takes what is left; the pause
+  itself runs on the engine's loop thread at the process's priority. The writes a built-in engine leaves
+  for after its pause (its other weight bank, its parameters) run on a third thread 19 levels below the
+  process (as far as the kernel allows, likewise) once the engine serves the new version, so on a host with
   several engines they do not delay the engines still on their way to their pause; ``sync`` returns once
   they are done (after a full reload too: its second weight bank is built then, not on the next delta).
 - The engine is only ever given weights the follower verified against the store's recorded hash
@@ -27,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -212,15 +215,44 @@ class EngineWeightSync:
         self.stats["shared_patches"] += 1
 
 
+IDLE_WEIGHT = 3
+"""CFS weight of a ``SCHED_IDLE`` thread (a nice-0 thread weighs 1024, and each nice level is 1.25x less)."""
+
+
+def _cfs_weight(nice: int) -> float:
+    return 1024 / 1.25**nice
+
+
+def lower_priority_plan(base: int, nice: int) -> tuple[str, int]:
+    """How to make a thread ``nice`` levels less favoured than a process at niceness ``base``:
+    ``("nice", n)`` (set the thread's niceness to ``n``) or ``("idle", 19)`` (``SCHED_IDLE``).
+
+    The niceness range ends at 19, so a process that already runs niced (Ray starts its worker processes,
+    and so every engine actor, at 15) has fewer levels left than asked for: at base 15, nice 19 is only
+    2.4x below the engine instead of the 9.3x of 10 levels. Then the plan takes whichever of nice 19 and
+    ``SCHED_IDLE`` (weight 3: 12x below a nice-15 thread) comes closer, in CPU share, to the ratio asked
+    for."""
+    if nice <= 0 or base + nice <= 19:
+        return "nice", min(19, base + max(nice, 0))
+    want = _cfs_weight(base) / _cfs_weight(base + nice)
+    at_19 = _cfs_weight(base) / _cfs_weight(19)
+    idle = _cfs_weight(base) / IDLE_WEIGHT
+    return ("idle", 19) if abs(math.log(idle / want)) < abs(math.log(at_19 / want)) else ("nice", 19)
+
+
 def _lower_priority(nice: int) -> None:
-    """Make the calling thread ``nice`` levels less favoured than the process (threads it starts inherit).
-    Linux applies ``setpriority`` to a single thread when given its thread id; elsewhere this does nothing."""
+    """Make the calling thread ``nice`` levels less favoured than the process (threads it starts inherit),
+    as far as the kernel allows (see ``lower_priority_plan``). Linux applies ``setpriority`` and
+    ``sched_setscheduler`` to a single thread when given its thread id; elsewhere this does nothing."""
     if nice <= 0 or not hasattr(threading, "get_native_id"):
         return
     try:
         tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + nice))
-    except OSError:  # not permitted here: keep the process's priority
+        how, level = lower_priority_plan(os.getpriority(os.PRIO_PROCESS, os.getpid()), nice)
+        os.setpriority(os.PRIO_PROCESS, tid, level)
+        if how == "idle" and hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except OSError:  # not permitted here: keep what could be set
         pass
 
 
