@@ -190,7 +190,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
                 ray.get(trainer.save_checkpoint.remote(str(run_dir / "checkpoints" / f"step_{step:06d}")))
     except Exception as e:
-        errors = _collect_errors(workers)
+        errors = _collect_errors(workers, wait_s=10.0)
         if errors:
             (run_dir / "rollout_errors.log").write_text("\n".join(errors))
         logger.close()
@@ -240,14 +240,21 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
     return result
 
 
-def _collect_errors(workers) -> list[str]:
-    errors: list[str] = []
-    for w in workers:
-        try:
-            errors += ray.get(w.get_errors.remote(), timeout=30)
-        except Exception as e:  # noqa: BLE001 - a dead worker is itself the error
-            errors.append(f"rollout worker unreachable: {type(e).__name__}")
-    return errors
+def _collect_errors(workers, wait_s: float = 0.0) -> list[str]:
+    """The errors the rollout workers recorded. ``wait_s > 0`` (the run is stopping on an error): poll until
+    one is recorded or ``wait_s`` passed, because a worker learns that an engine died only when its own next
+    request to it fails, which may come a moment after the orchestrator's own call to that engine failed."""
+    end = time.monotonic() + wait_s
+    while True:
+        errors: list[str] = []
+        for w in workers:
+            try:
+                errors += ray.get(w.get_errors.remote(), timeout=30)
+            except Exception as e:  # noqa: BLE001 - a dead worker is itself the error
+                errors.append(f"rollout worker unreachable: {type(e).__name__}")
+        if errors or time.monotonic() >= end:
+            return errors
+        time.sleep(0.2)
 
 
 def _teardown(actors) -> None:
