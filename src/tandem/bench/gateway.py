@@ -19,12 +19,16 @@ prompts. throughput = generated tokens / wall time; ``overhead = 1 - gateway / i
 gateway's session records are checked: one segment per session (the history matched every turn, nothing was
 re-rendered) of the expected length. Sets torch threads (restored on return).
 
-What the overhead contains (measured on 2 cores): the server's work per request (~1.5 ms CPU) and the
-client's (~5 ms CPU per request for ``openai``), on the same cores as the engine; and, mostly, the arrival
-pattern: the sessions run in lockstep, so at every turn boundary in-process resubmits all of them at once
-(one batched prefill) while a client handles responses one at a time and the next turns reach the engine
-spread out (smaller prefills, more decode steps). Spacing in-process resubmissions 5 ms apart alone costs
-about 15% here. More tokens per turn (``max_tokens``) amortise both.
+What the overhead contains (measured on 2 cores): the server's work per request (about 1 ms of CPU, in a
+thread of the engine's process) and the client's (about 2 ms per request for ``openai``), on the same cores
+as the engine; and the turn boundaries: the sessions run in lockstep, in-process resubmits all of them at
+once, while the server answers them one at a time and the client sends the next turns back spread over
+tens of milliseconds. An idle engine gathers such a burst (``EngineConfig.gather_idle_ms``,
+``gather_idle_max_ms``: it waits for the sessions that just finished a turn), so both sides start each turn
+as one batch; what remains is the engine idle at each boundary while the responses go out and the next
+requests come back. Before the engine gathered, it started the first arrivals at once, and their decode
+steps slowed the server still answering the rest (about 100-200 ms of spread per boundary instead of
+50-60). More tokens per turn (``max_tokens``) amortise all of it.
 """
 
 from __future__ import annotations

@@ -312,6 +312,15 @@ class EngineConfig(Section):
     gets this many extra slots beyond max_batch (memory x (max_batch+max_parked)/max_batch); LRU eviction."""
     threads: int = 1
     """Torch intra-op threads of each engine process."""
+    gather_idle_ms: float = Field(default=5.0, ge=0.0, le=1000.0)
+    """An idle engine (no session running) that gets requests starts them once no new request has come for
+    this long (or, when sessions just finished a turn, once they are all back: see ``gather_idle_max_ms``),
+    so a burst that reaches it spread out starts as one prefill batch and decodes in lockstep. Requests
+    never wait while sessions run."""
+    gather_idle_max_ms: float = Field(default=100.0, ge=0.0, le=10000.0)
+    """Longest an idle engine waits for sessions that finished a turn within this window (their KV parked
+    for the next turn, as an agent loop sends it) to come back before it starts what is queued; 0 turns
+    gathering off (``tandem.engine.front``). Measured in ``tandem bench gateway`` (README)."""
     double_buffer_weights: bool = True
     """Built-in engine, dense models on its fast forward: keep two copies of the weights the forward reads
     and write a delta update into the idle copy while serving, so the update pauses serving only to switch

@@ -469,6 +469,8 @@ class BuiltinEngine(RequestFront):
         it so active slots stay contiguous."""
         last = len(self._active) - 1
         kept = self._prefix.park(slot, len(self._active), [int(t) for t in sequence])
+        if kept:
+            self._expect_return()
         if slot != last:
             self._runner.move(last, slot)
             self._active[slot] = self._active[last]

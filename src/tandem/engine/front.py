@@ -7,6 +7,17 @@ Invariants:
 - A future is resolved exactly once with a ``Completion`` (``resolve`` ignores futures the caller cancelled);
   errors are ``Completion(finish_reason="error")`` (``error_completion``), never exceptions.
 - ``health`` reads the queue and the active sessions under the same lock the loop uses.
+- Idle bursts are gathered (``EngineConfig.gather_idle_ms`` / ``gather_idle_max_ms``): when requests reach an
+  idle engine (no session running, no weight update queued), the loop holds them back until (a) as many are
+  queued as sessions finished a turn with their KV kept (``_expect_return``) within the last
+  ``gather_idle_max_ms`` before the wait began, or, when none did, no new request has arrived for
+  ``gather_idle_ms``; or (b) ``gather_idle_max_ms`` passed since the last of those sessions finished (since
+  the wait began when none did); or (c) the batch is full, a weight update is queued or the engine stops.
+  Requests that reach a busy engine are never held. Why: an HTTP harness answers a lockstep group one
+  response at a time and sends the next turns back spread out; admitting the first ones at once starts
+  decode steps whose Python work then competes (GIL, cores) with the server still handling the rest, which
+  spreads them further and leaves a tail of small decode batches. ``gather_idle_max_ms = 0`` turns this
+  off.
 - Token streaming (``streams_tokens``): ``submit(request, on_tokens=f)`` has the engine call ``f(ids)`` from
   its loop thread with the ids each step sampled for that request, in order, before its future resolves
   (the concatenated calls are the completion's ``token_ids``). ``f`` must return at once (the gateway only
@@ -89,6 +100,8 @@ class RequestFront:
         self._running = False
         self._stopped = False
         self._submitted = 0
+        self._last_submit = 0.0
+        self._recent_finishes: collections.deque[float] = collections.deque(maxlen=4096)
         self._t0 = time.monotonic()
         self._stats: dict[str, float] = {
             "busy_s": 0.0,
@@ -120,6 +133,9 @@ class RequestFront:
                     self._cv.wait()
                 if not self._running:
                     return
+                self._gather_burst()
+                if not self._running:  # stopped while a burst gathered
+                    return
                 updates, self._updates = self._updates, []
                 room = self.config.max_batch - len(self._active)
                 admitted = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
@@ -130,6 +146,33 @@ class RequestFront:
                 self._fail_active(f"engine error: {type(e).__name__}: {e}")
             with self._cv:
                 self._stats["busy_s"] += time.perf_counter() - t0
+
+    def _gather_burst(self) -> None:
+        """Idle engine, requests queued: hold them back (under ``_cv``, whose wait releases the lock) so a
+        burst starts as one batch; see the module invariants for when the wait ends."""
+        window = self.config.gather_idle_max_ms / 1000
+        if window <= 0 or self._active or self._updates or not self._queue:
+            self._recent_finishes.clear()
+            return
+        now = time.monotonic()
+        recent = [t for t in self._recent_finishes if t >= now - window]
+        self._recent_finishes.clear()
+        expected = min(len(recent), self.config.max_batch)
+        deadline = (recent[-1] if recent else now) + window
+        gap = self.config.gather_idle_ms / 1000
+        while self._running and not self._updates and len(self._queue) < self.config.max_batch:
+            if expected and len(self._queue) >= expected:
+                return  # the sessions that just finished a turn are back
+            wake = deadline if expected else min(deadline, self._last_submit + gap)
+            now = time.monotonic()
+            if now >= wake:
+                return
+            self._cv.wait(wake - now)
+
+    def _expect_return(self) -> None:
+        """Note (from the loop thread) that a session just finished a turn and may come back with its next
+        one (its KV was kept for it): an idle engine waits for such sessions (see ``_gather_burst``)."""
+        self._recent_finishes.append(time.monotonic())
 
     def _loop_setup(self) -> None:
         """Runs once in the loop thread before the first iteration."""
@@ -152,6 +195,7 @@ class RequestFront:
                 return fut
             self._queue.append(Pending(request, fut, self._submitted, on_tokens))
             self._submitted += 1
+            self._last_submit = time.monotonic()
             self._cv.notify_all()
             start = not self._running
         if start:

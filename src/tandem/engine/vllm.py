@@ -487,6 +487,8 @@ class VllmEngine(RequestFront):
                     completion.top_token_ids, completion.top_logprobs = s.top_ids, s.top_lps
                 if routed is not None:
                     completion.routed_experts = np.asarray(routed).tolist()
+                if self.config.max_parked > 0:  # vLLM's prefix cache keeps its blocks for a next turn
+                    self._expect_return()
                 resolve(s.future, completion)
         with self._cv:
             self._stats["steps"] += 1
