@@ -43,6 +43,8 @@ def test_overrides_parse_toml_values(tmp_path):
         ("engine.double_buffer_weights=maybe", "engine.double_buffer_weights"),
         ("weights.host_share=sometimes", "weights.host_share"),
         ("sandbox.scratch=ram", "sandbox.scratch"),
+        ("engine.gather_idle_ms=-1", "engine.gather_idle_ms"),
+        ("engine.gather_idle_max_ms=1e9", "engine.gather_idle_max_ms"),
     ],
 )
 def test_invalid_config_names_the_field(override, needle):
