@@ -88,8 +88,6 @@ class _BenchEngine:
 
     def nice(self) -> int:
         """This engine process's nice value (Ray starts its workers niced, e.g. 15)."""
-        import os
-
         return os.getpriority(os.PRIO_PROCESS, 0)
 
     def start_load(self) -> None:
