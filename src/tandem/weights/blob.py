@@ -17,6 +17,8 @@ bijection on 16-bit patterns, so a genuine uint16 tensor still round-trips bit-e
 
 from __future__ import annotations
 
+import functools
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -59,15 +61,18 @@ class BlobHeader:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
 
+@functools.cache
 def dtype_tag(dtype: np.dtype) -> str:
     return dtype.name if dtype.name in DTYPE_CODES else dtype.str
 
 
+@functools.cache
 def key_spec(dtype: np.dtype) -> KeySpec | None:
-    """The ordered-key model for this dtype, or None when it takes the XOR+zstd fallback."""
+    """The ordered-key model for this dtype, or None when it takes the XOR+zstd fallback (cached: dtypes
+    are hashable and few)."""
     if not dtype.isnative:
         return None
     if dtype == np.float32:

@@ -7,7 +7,7 @@ Invariants:
   both dtypes and both shapes.
 - The mode (see ``tandem.weights.blob``) is chosen per tensor by the exact estimated size of each candidate:
   sparse gaps (rANS table or Golomb) + diffs, dense per-element symbols, quads of element classes +
-  escapes (the fast dense mode, available when every chunk was too dense to list its changes), or the
+  escapes (the fast dense mode, available when every chunk has at least ``DENSE_FROM`` changes), or the
   raw new bytes.
 - Work is split into chunks of ``2**CHUNK_LOG2`` elements; chunk kernels release the GIL, so the
   ``*_tasks`` lists run in parallel on a thread pool (see ``run_tasks``) with identical output for any
@@ -23,6 +23,7 @@ from functools import partial
 
 import numpy as np
 import zstandard
+from numba import njit
 
 from tandem.weights import kernels as K
 from tandem.weights.blob import (
@@ -36,7 +37,7 @@ from tandem.weights.blob import (
     seal,
     write_header,
 )
-from tandem.weights.entropy import ALPHABET, NEXTRA, golomb_parameter, golomb_params
+from tandem.weights.entropy import ALPHABET, NEXTRA, NJIT, golomb_parameter, golomb_params
 from tandem.weights.tables import (
     Table,
     normalize,
@@ -52,6 +53,7 @@ QUAD_CHUNK_BITS = 8 * 48  # per chunk: directory varints and eight rANS final st
 ZSTD_LEVEL = 3
 DENSE_FROM = 0.2  # density from which the dense decoder (per element) beats the sparse one (per change)
 SPEED_BIAS = 1.03  # the slower mode must be this much smaller to be chosen
+DENSE_BIAS = 1.10  # the dense mode decodes ~3x slower than the quad mode: it must be this much smaller
 
 Task = Callable[[], None]
 
@@ -89,10 +91,15 @@ def _word_views(p: np.ndarray, c: np.ndarray, lanes: int) -> tuple[np.ndarray, n
     return p[: nw * lanes].view(np.uint64), c[: nw * lanes].view(np.uint64)
 
 
+@njit(**NJIT)
 def _sampled_density(p: np.ndarray, c: np.ndarray) -> float:
     """Fraction of changed elements in an evenly strided sample of about 4096 elements."""
     step = max(1, p.shape[0] // 4096)
-    return float(np.count_nonzero(p[::step] != c[::step])) / max(1, p[::step].shape[0])
+    changed = taken = 0
+    for i in range(0, p.shape[0], step):
+        changed += p[i] != c[i]
+        taken += 1
+    return changed / max(1, taken)
 
 
 def _table_bits(counts: np.ndarray, raw_bits: bool = True) -> tuple[float, np.ndarray, bytes]:
@@ -113,10 +120,13 @@ class _Scan:
     idx: np.ndarray | None  # None when the chunk had more changes than the sparse capacity
     z: np.ndarray | None
     hist: np.ndarray
-    quads: np.ndarray | None = None  # quad symbols, kept for the encoder when idx is None
+    quads: np.ndarray | None = None  # quad symbols, when the chunk is dense enough for the quad mode
     escapes: int = 0  # number of escapes (with quads)
     qhist: np.ndarray | None = None  # histogram of the quad symbols
     ehist: np.ndarray | None = None  # histogram of the escapes' diff symbols
+    esyms: np.ndarray | None = None  # the escapes' diff symbols, in element order
+    ebits: np.ndarray | None = None  # their raw bits (bit-stream words)
+    enbits: int = 0  # number of those bits
 
 
 class TensorEncoder:
@@ -155,20 +165,27 @@ class TensorEncoder:
         count = -1
         if _sampled_density(p, c) < DENSE_FROM * 1.25:  # a clearly dense chunk skips listing its changes
             count = K.scan_chunk(p, c, p64, c64, 64 // spec.lanes, spec.sign, spec.mask, idx, z)
+        n = b - a
         if count >= 0:
             idx, z = idx[:count].copy(), z[:count].copy()
-            K.change_hist(idx, z, b - a, hist)
+            K.change_hist(idx, z, n, hist)
             self.scans[k] = _Scan(count, idx, z, hist)
-        else:  # too dense to list: quad (or dense) mode only
-            n = b - a
-            quads = np.empty((n + 3) // 4, np.uint8)
-            qhist, ehist = np.zeros(K.QUAD_ALPHABET, np.int64), np.zeros(ALPHABET, np.int64)
-            m = K.quad_scan(p, c, spec.sign, spec.mask, quads, qhist, ehist)
+            if count < DENSE_FROM * n:
+                return
+        # Too dense to list, or dense enough that the sparse mode may lose: the quad mode is an option too
+        # (it codes exactly the dense model with a quarter of the symbols, so it beats the dense mode).
+        quads = np.empty((n + 3) // 4, np.uint8)
+        qhist, ehist = np.zeros(K.QUAD_ALPHABET, np.int64), np.zeros(ALPHABET, np.int64)
+        esyms, ebits, words, enbits = K.quad_scan(p, c, spec.sign, spec.mask, quads, qhist, ehist)
+        if count < 0:
             classes = qhist @ K.QUAD_CLASSES  # per class; the last quad's padding counts as class 0
             hist[1, :3] += classes[:3]
             hist[1, 0] -= 4 * quads.shape[0] - n
             hist[1] += ehist  # escapes are the diff symbols >= 3: the same row is the dense histogram
-            self.scans[k] = _Scan(int(n - hist[1, 0]), None, None, hist, quads, m, qhist, ehist)
+            self.scans[k] = _Scan(int(n - hist[1, 0]), None, None, hist)
+        scan = self.scans[k]
+        scan.quads, scan.escapes, scan.qhist, scan.ehist = quads, esyms.shape[0], qhist, ehist
+        scan.esyms, scan.ebits, scan.enbits = esyms, ebits[:words], enbits
 
     def _encode_fallback(self) -> None:
         pb = self.prev.reshape(-1).view(np.uint8)
@@ -200,7 +217,7 @@ class TensorEncoder:
         quad_ok = all(s.quads is not None for s in scans)
         dense_bits, self.dense_freq, self.dense_table = _table_bits(hist[1])
         dense_bits += DENSE_CHUNK_BITS * chunks
-        options.append((dense_bits * (SPEED_BIAS if sparse_first or quad_ok else 1), DENSE))
+        options.append((dense_bits * (DENSE_BIAS if quad_ok else SPEED_BIAS if sparse_first else 1), DENSE))
         if quad_ok:
             qbits, self.quad_freq, self.quad_table = _table_bits(np.sum([s.qhist for s in scans], 0), False)
             ebits, self.esc_freq, self.esc_table = _table_bits(np.sum([s.ehist for s in scans], 0))
@@ -274,23 +291,16 @@ class TensorEncoder:
 
     def _encode_quad(self, k: int) -> None:
         s = self.scans[k]
-        assert s.quads is not None and s.ehist is not None
-        a, b = self.chunks[k]
+        assert s.quads is not None and s.esyms is not None and s.ebits is not None
         m, nq = s.escapes, s.quads.shape[0]
-        esyms = np.empty(m + 1, np.uint8)  # one spare slot (see quad_escapes)
-        bbuf = np.empty(int((s.ehist * NEXTRA).sum()) // 64 + 3, np.uint64)
-        w, nbits = K.quad_escapes(
-            self.p[a:b], self.c[a:b], self.spec.sign, self.spec.mask, s.quads, esyms, bbuf
-        )
-        esyms = esyms[:m]
         qbuf, qstart = np.empty((K.LANES, nq // K.LANES + 4), np.uint16), np.zeros(K.LANES, np.int64)
         ebuf, estart = np.empty((K.LANES, m // K.LANES + 4), np.uint16), np.zeros(K.LANES, np.int64)
         K.encode_lanes(s.quads, self._quad_t.enc, qbuf, qstart)
-        K.encode_lanes(esyms, self._esc_t.enc, ebuf, estart)
-        s.quads = None
+        K.encode_lanes(s.esyms, self._esc_t.enc, ebuf, estart)
         streams = [qbuf[j, qstart[j] :] for j in range(K.LANES)]
         streams += [ebuf[j, estart[j] :] for j in range(K.LANES)]
-        self.parts[k] = _chunk_part([m], streams, bbuf[:w], nbits)
+        self.parts[k] = _chunk_part([m], streams, s.ebits, s.enbits)
+        s.quads = s.esyms = s.ebits = None
 
     def blob(self) -> bytes:
         out = bytearray()

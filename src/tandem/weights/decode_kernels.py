@@ -26,7 +26,7 @@ from tandem.weights.entropy import (
     peek,
     rans_dec,
 )
-from tandem.weights.kernels import GAP_TABLE, LANES, from_key, to_key, unzigzag
+from tandem.weights.kernels import GAP_TABLE, LANES, escape_positions, from_key, to_key, unzigzag
 
 
 @njit(**NJIT)
@@ -203,16 +203,17 @@ def decode_dense_chunk(
 
 @njit(**NJIT)
 def decode_quad_chunk(
-    p: np.ndarray, out: np.ndarray, qlut: np.ndarray, qfc: np.ndarray, qwords: np.ndarray, qlens: np.ndarray,
-    elut: np.ndarray, efc: np.ndarray, ewords: np.ndarray, elens: np.ndarray, escapes: int,
-    bwords: np.ndarray, nbits: int, sign: int, mask: int, qdeltas: np.ndarray, qflags: np.ndarray,
-    qescape_counts: np.ndarray,
+    p: np.ndarray, out: np.ndarray, p64: np.ndarray, o64: np.ndarray, qlut: np.ndarray, qfc: np.ndarray,
+    qwords: np.ndarray, qlens: np.ndarray, elut: np.ndarray, efc: np.ndarray, ewords: np.ndarray,
+    elens: np.ndarray, escapes: int, bwords: np.ndarray, nbits: int, sign: int, mask: int,
 ) -> int:  # fmt: skip
     """Rewrite ``out`` from ``p`` and a quad chunk's streams (layout in ``tandem.weights.kernels``); 0 on
     success, -1 if the streams are inconsistent (wrong final states, escape count, classes past the end or
-    bit count). Passes: quad symbols, escape symbols, each quad's four key changes as int8 bytes (a table
-    lookup per quad), a vectorisable patch of every element, the escapes' positions (from the quads that
-    have any, by their packed flags), then the escapes."""
+    bit count). ``p64``/``o64`` are uint64 views of the whole words of ``p``/``out`` (empty when either is
+    not 8-byte aligned: every element then takes the one-element path). Passes: quad symbols, escape
+    symbols, a vectorisable patch of the whole words (``patch_words16``/``patch_words32``; an escape gets
+    change 0 there), the elements left, the escapes' positions (``kernels.escape_positions``), then the
+    escapes."""
     n = p.shape[0]
     nq = (n + 3) // 4
     quads = np.empty(nq, np.uint8)
@@ -223,32 +224,20 @@ def decode_quad_chunk(
         return -1
     if n % 4 and quads[nq - 1] >> (2 * (n % 4)) != 0:
         return -1  # classes for elements past the end
-    packed = np.empty(nq, np.uint32)
-    with_escapes = np.empty(nq + 1, np.int64)
-    total, listed = 0, 0
-    for j in range(nq):  # each quad's key changes, and the quads with escapes listed without branches
-        q = quads[j]
-        packed[j] = qdeltas[q]
-        with_escapes[listed] = j
-        listed += qescape_counts[q] != 0
-        total += qescape_counts[q]
-    if total != escapes:
-        return -1
-    step = packed.view(np.int8)
-    top, low = (15 if mask == 0xFFFF else 31), mask >> 1
-    for i in range(n):  # patched() written out branch-free, the key change read from the int8 bytes
+    wide = mask != 0xFFFF
+    done = 0
+    if p64.shape[0] > 0:
+        done = patch_words32(p64, quads, o64) if wide else patch_words16(p64, quads, o64)
+    top, low = (31 if wide else 15), mask >> 1
+    for i in range(done, n):  # elements outside whole words: the same change, one element at a time
+        c = (np.int64(quads[i >> 2]) >> (2 * (i & 3))) & 3
         u = np.int64(p[i])
-        k = (u ^ sign ^ (((u >> top) & 1) * low)) + step[i]
+        k = (u ^ sign ^ (((u >> top) & 1) * low)) + (c >> 1) - (c & 1)  # class 1: -1, 2: +1, 0 and 3: 0
         k &= mask
         out[i] = k ^ sign ^ ((1 - ((k >> top) & 1)) * low)
-    where = np.empty(escapes + 4, np.int64)
-    m = 0
-    for t in range(listed):  # the escapes' positions, without branches
-        j = with_escapes[t]
-        flags = qflags[quads[j]]
-        for k in range(4):
-            where[m] = 4 * j + k
-            m += (flags >> (8 * k)) & 1
+    where, m = escape_positions(quads)
+    if m != escapes:
+        return -1
     pos, nw = 0, bwords.shape[0]
     for e in range(escapes):  # branch-free: symbols below DIRECT have BASE[s] == s and no raw bits
         i = where[e]
@@ -258,6 +247,51 @@ def decode_quad_chunk(
         pos += NEXTRA[s]
         out[i] = patched(np.int64(p[i]), zz, sign, mask)
     return 0 if pos == nbits else -1
+
+
+@njit(**NJIT)
+def patch_words16(p64: np.ndarray, quads: np.ndarray, o64: np.ndarray) -> int:
+    """Patch whole words of four 16-bit elements, word ``j`` by quad ``j``'s classes (1: key - 1, 2: key + 1,
+    0 and 3: unchanged): to key, add, from key, with SWAR arithmetic confined to the 16-bit lanes (no
+    branches, no multiplies, so LLVM vectorises it). Returns the number of elements written."""
+    hi, lo = np.uint64(0x8000800080008000), np.uint64(0x7FFF7FFF7FFF7FFF)
+    ones, top, one = np.uint64(0x0001000100010001), np.uint64(15), np.uint64(1)
+    for j in range(p64.shape[0]):
+        q = np.uint64(quads[j])  # classes at bits 2k -> lane k's low two bits (bits 16k, 16k + 1)
+        spread = (q & np.uint64(3)) | ((q & np.uint64(0xC)) << np.uint64(14))
+        spread |= ((q & np.uint64(0x30)) << np.uint64(28)) | ((q & np.uint64(0xC0)) << np.uint64(42))
+        o64[j] = _swar_step(p64[j], spread & ones, (spread >> one) & ones, hi, lo, ones, top)
+    return 4 * p64.shape[0]
+
+
+@njit(**NJIT)
+def patch_words32(p64: np.ndarray, quads: np.ndarray, o64: np.ndarray) -> int:
+    """``patch_words16`` for 32-bit elements: two words per quad, whole quads only. Returns the number of
+    elements written."""
+    hi, lo = np.uint64(0x8000000080000000), np.uint64(0x7FFFFFFF7FFFFFFF)
+    ones, top, one = np.uint64(0x0000000100000001), np.uint64(31), np.uint64(1)
+    m2, m4, s30, s4 = np.uint64(3), np.uint64(0xC), np.uint64(30), np.uint64(4)
+    nq = p64.shape[0] // 2
+    for j in range(nq):
+        q = np.uint64(quads[j])
+        a = (q & m2) | ((q & m4) << s30)
+        b = ((q >> s4) & m2) | (((q >> s4) & m4) << s30)
+        o64[2 * j] = _swar_step(p64[2 * j], a & ones, (a >> one) & ones, hi, lo, ones, top)
+        o64[2 * j + 1] = _swar_step(p64[2 * j + 1], b & ones, (b >> one) & ones, hi, lo, ones, top)
+    return 4 * nq
+
+
+@njit(**NJIT)
+def _swar_step(x: int, down: int, up: int, hi: int, lo: int, ones: int, top: int) -> int:
+    """Every lane of the word ``x`` (bit patterns; ``hi`` marks the lanes' top bits, ``lo`` the others,
+    ``ones`` their lowest bits, ``top`` = lane width - 1) moved by ``up - down`` (0 or 1 each) in
+    ordered-key space, each lane wrapping on its own like ``patched``."""
+    neg = (x >> top) & ones
+    key = x ^ hi ^ ((neg << top) - neg)  # to key: a negative lane flips every bit, a positive one its top
+    a = ((key & lo) + up) ^ (key & hi)  # + up per lane: a carry out of the low bits flips the top bit
+    k = ((a | hi) - down) ^ (hi & ~a)  # - down per lane: the top bit lends, and is restored by the xor
+    pos = (~k >> top) & ones
+    return k ^ hi ^ ((pos << top) - pos)  # from key
 
 
 @njit(**NJIT)

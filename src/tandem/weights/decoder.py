@@ -18,6 +18,7 @@ from functools import partial
 
 import numpy as np
 import zstandard
+from numba import njit
 
 from tandem.weights import decode_kernels as D
 from tandem.weights import kernels as K
@@ -33,8 +34,8 @@ from tandem.weights.blob import (
     parse_header,
 )
 from tandem.weights.codec import Task, chunk_ranges, run_tasks
-from tandem.weights.entropy import golomb_params
-from tandem.weights.tables import Table, parse_table, read_varint
+from tandem.weights.entropy import NJIT, golomb_params
+from tandem.weights.tables import Table, get_varint, parse_table, read_varint
 
 
 @dataclass
@@ -104,54 +105,39 @@ class TensorDecoder:
 
     # -------------------------------------------------------------- parsing
     def _parse_streams(self) -> None:
-        buf, pos, h = self.blob, self.header.payload_start, self.header
+        h = self.header
+        buf, pos = np.frombuffer(self.blob, np.uint8), h.payload_start
         try:
             if self.sparse:
                 self.gap_mode = buf[pos]
                 pos += 1
-                self.gap_table = Table(np.ones(1, np.int64) << 14)
+                self.gap_table = _UNIFORM_GAPS
                 self.golomb_m = 1
                 if self.gap_mode == K.GAP_TABLE:
                     self.gap_table, pos = parse_table(buf, pos)
                 else:
-                    self.golomb_m, pos = read_varint(buf, pos)
+                    self.golomb_m, pos = read_varint(self.blob, pos)
             if h.mode == QUAD:
                 self.table, pos = parse_table(buf, pos, K.QUAD_ALPHABET)
                 self.esc_table, pos = parse_table(buf, pos)
             else:
                 self.table, pos = parse_table(buf, pos)
-            chunk = 1 << buf[pos]
+            chunk = 1 << int(buf[pos])
             pos += 1
-            for a in range(0, h.numel, chunk):
-                pos = self._parse_chunk(pos, a, min(a + chunk, h.numel))
         except (ValueError, IndexError) as e:
             raise CorruptDeltaError(f"delta blob of {self.name!r} is inconsistent: {e}") from None
+        rows = 2 if self.sparse else 2 * K.LANES if h.mode == QUAD else K.LANES
+        counted = self.sparse or h.mode == QUAD  # sparse: changes; quad: escapes
+        end = h.payload_end
+        for a in range(0, h.numel, chunk):
+            b = min(a + chunk, h.numel)
+            count, pos, rwords, rlens, bwords, nbits = _read_chunk(buf, pos, end, rows, counted, b - a)
+            if pos < 0:
+                raise CorruptDeltaError(f"delta blob of {self.name!r}: a chunk runs past its end")
+            self.streams.append(_ChunkStream(a, b, count, rwords, rlens, bwords, nbits))
         counts_ok = not self.sparse or sum(s.count for s in self.streams) == h.changed
         if pos != h.payload_end or not counts_ok:
             raise CorruptDeltaError(f"delta blob of {self.name!r} is inconsistent: payload size or counts")
-
-    def _parse_chunk(self, pos: int, a: int, b: int) -> int:
-        buf = self.blob
-        count = 0  # sparse: changes; quad: escapes
-        quad = self.header.mode == QUAD
-        if self.sparse or quad:
-            count, pos = read_varint(buf, pos)
-        lens = []
-        for _ in range(2 if self.sparse else 2 * K.LANES if quad else K.LANES):
-            nr, pos = read_varint(buf, pos)
-            lens.append(nr)
-        nbits, pos = read_varint(buf, pos)
-        nbytes = (nbits + 7) // 8
-        if pos + 2 * sum(lens) + nbytes > self.header.payload_end or count > b - a:
-            raise ValueError("chunk streams run past the end")
-        rwords = np.zeros((len(lens), max(lens) + 1), np.uint16)  # zero padding for branch-free decoders
-        for j, nr in enumerate(lens):
-            rwords[j, :nr] = np.frombuffer(buf, "<u2", nr, pos)
-            pos += 2 * nr
-        bwords = np.zeros(nbytes // 8 + 3, np.uint64)
-        bwords.view(np.uint8)[:nbytes] = np.frombuffer(buf, np.uint8, nbytes, pos)
-        self.streams.append(_ChunkStream(a, b, count, rwords, np.array(lens, np.int64), bwords, nbits))
-        return pos + nbytes
 
     # -------------------------------------------------------------- decoding
     def tasks(self) -> list[Task]:
@@ -204,10 +190,12 @@ class TensorDecoder:
         s, t, e, spec, lanes = self.streams[k], self.table, self.esc_table, self.spec, K.LANES
         p = self.prev.reshape(-1).view(spec.bits_dtype)[s.start : s.stop]
         o = self.out.reshape(-1).view(spec.bits_dtype)[s.start : s.stop]
+        p64, o64 = _words(p), _words(o)
+        if p64.shape[0] == 0 or o64.shape[0] == 0:
+            p64 = o64 = _NO_WORDS
         self.status[k] = D.decode_quad_chunk(
-            p, o, t.lut, t.fc, s.rwords[:lanes], s.rlens[:lanes], e.lut, e.fc, s.rwords[lanes:],
-            s.rlens[lanes:], s.count, s.bwords, s.nbits, spec.sign, spec.mask, K.QUAD_DELTAS,
-            K.QUAD_ESCAPE_FLAGS, K.QUAD_ESCAPES,
+            p, o, p64, o64, t.lut, t.fc, s.rwords[:lanes], s.rlens[:lanes], e.lut, e.fc, s.rwords[lanes:],
+            s.rlens[lanes:], s.count, s.bwords, s.nbits, spec.sign, spec.mask,
         )  # fmt: skip
 
     def _whole(self) -> None:
@@ -246,6 +234,51 @@ class TensorDecoder:
         if self.sparse:
             return Patch(self.name, shape, np.concatenate(self._idx), np.concatenate(self._vals))
         return Patch(self.name, shape, whole=self.out)
+
+
+_UNIFORM_GAPS = Table(np.ones(1, np.int64) << 14)  # placeholder gap table of Golomb-coded gaps (never read)
+
+
+@njit(**NJIT)
+def _read_chunk(
+    buf: np.ndarray, pos: int, end: int, rows: int, counted: bool, size: int
+) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray, int]:
+    """One chunk's directory and streams at ``pos`` (layout in ``tandem.weights.codec._chunk_part``):
+    (count, next offset, rANS words one row per stream zero-padded by at least one word, their lengths,
+    the bit stream's words with three words of padding, its bit count). The offset is -1 when the chunk
+    runs past ``end`` or its count exceeds ``size``."""
+    count = 0
+    lens = np.zeros(rows, np.int64)
+    head = buf[:end]
+    if counted:
+        count, pos = get_varint(head, pos)
+    for j in range(rows):
+        lens[j], pos = get_varint(head, pos)
+    nbits, pos = get_varint(head, pos)
+    nbytes = (nbits + 7) // 8
+    if count < 0 or nbits < 0 or lens.min() < 0 or count > size or pos + 2 * lens.sum() + nbytes > end:
+        return -1, -1, np.zeros((rows, 1), np.uint16), lens, np.zeros(3, np.uint64), 0
+    rwords = np.zeros((rows, lens.max() + 1), np.uint16)
+    for j in range(rows):
+        for k in range(lens[j]):
+            rwords[j, k] = np.uint16(buf[pos]) | (np.uint16(buf[pos + 1]) << np.uint16(8))
+            pos += 2
+    bwords = np.zeros(nbytes // 8 + 3, np.uint64)
+    bbytes = bwords.view(np.uint8)
+    for k in range(nbytes):
+        bbytes[k] = buf[pos + k]
+    return count, pos + nbytes, rwords, lens, bwords, nbits
+
+
+_NO_WORDS = np.zeros(0, np.uint64)
+
+
+def _words(a: np.ndarray) -> np.ndarray:
+    """The whole 64-bit words of a contiguous 1-D array, or an empty array when it is not 8-byte aligned."""
+    whole = a.shape[0] * a.itemsize // 8
+    if whole == 0 or a.ctypes.data % 8:
+        return _NO_WORDS
+    return a[: whole * 8 // a.itemsize].view(np.uint64)
 
 
 def decode_tensor(prev: np.ndarray, blob: bytes, name: str = "tensor", threads: int = 1) -> np.ndarray:

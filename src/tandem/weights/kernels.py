@@ -60,6 +60,7 @@ GAP_GOLOMB = 1
 HIST_ROWS = 2  # gap symbols, diff symbols
 LANES = 4  # interleaved rANS streams of a dense chunk
 QUAD_ALPHABET = 256  # quad symbols: four 2-bit classes
+MAX_EXTRA_FREE = 24  # a diff symbol of a key of at most 32 bits carries at most 64 - 24 = 40 raw bits
 
 
 @njit(**NJIT)
@@ -303,12 +304,13 @@ def encode_lanes(syms: np.ndarray, enc: np.ndarray, rbuf: np.ndarray, starts: np
 def quad_scan(
     p: np.ndarray, c: np.ndarray, sign: int, mask: int, quads: np.ndarray, qhist: np.ndarray,
     ehist: np.ndarray,
-) -> int:  # fmt: skip
+) -> tuple[np.ndarray, np.ndarray, int, int]:  # fmt: skip
     """Quad symbols of one chunk into ``quads`` (``ceil(len(p) / 4)``), their histogram into ``qhist``
-    (``QUAD_ALPHABET``) and the histogram of the escapes' diff symbols into ``ehist``; returns the number
-    of escapes (``quad_escapes`` recomputes them, so a dense chunk keeps only a quarter byte per element
-    between the two phases). Separate loops, each simple enough for LLVM to vectorise or to run without
-    branches: classes per element, quads from each four classes' bytes, the histogram, then the escapes."""
+    (``QUAD_ALPHABET``) and the histogram of the escapes' diff symbols into ``ehist``. Returns the escapes'
+    diff symbols in element order, their raw bits (``bw_add`` words), the used words and the bit count.
+    Separate loops, each simple enough for LLVM to vectorise or to run without branches: classes per
+    element, quads from each four classes' bytes, the histogram, the quads that hold an escape, the
+    escapes' positions within them, then the escapes' symbols and bits."""
     n = p.shape[0]
     nq = quads.shape[0]
     packed = np.zeros(nq, np.uint32)
@@ -325,71 +327,77 @@ def quad_scan(
     for j in range(4):
         for s in range(qhist.shape[0]):
             qhist[s] += sub[j, s]
-    where = np.empty(n + 1, np.int64)
-    m = 0
-    for i in range(n):
-        where[m] = i
-        m += cls[i] == 3
+    where, m = escape_positions(quads)
+    esyms = np.empty(m, np.uint8)
+    bbuf = np.empty(m * (64 - MAX_EXTRA_FREE) // 64 + 3, np.uint64)
+    w, acc, nb = 0, np.uint64(0), 0
     for e in range(m):
         i = where[e]
-        ehist[bucket(zigzag(to_key(np.int64(c[i]), sign, mask) - to_key(np.int64(p[i]), sign, mask)))[0]] += 1
-    return m
+        s, ne, ex = bucket(zigzag(to_key(np.int64(c[i]), sign, mask) - to_key(np.int64(p[i]), sign, mask)))
+        esyms[e] = s
+        ehist[s] += 1
+        acc, nb, word, full = bw_add(acc, nb, ex, ne)
+        bbuf[w] = word
+        w += full
+    w, nbits = bw_finish(bbuf, w, acc, nb)
+    return esyms, bbuf, w, nbits
 
 
 @njit(**NJIT)
-def quad_escapes(
-    p: np.ndarray, c: np.ndarray, sign: int, mask: int, quads: np.ndarray, esyms: np.ndarray,
-    bbuf: np.ndarray,
-) -> tuple[int, int]:  # fmt: skip
-    """Diff symbols of the escapes (class-3 elements of ``quads``, in element order) into ``esyms`` (one
-    slot more than there are escapes: a skipped element writes its symbol to the next free slot, which the
-    next escape overwrites) and their raw bits into ``bbuf`` (the bits' words + 3); returns (used words of
-    ``bbuf``, total bits). The
-    quads with escapes are listed first, then each of their four elements is coded or skipped without
-    branches (an element that is not an escape adds no symbol and no bits)."""
-    nq, n = quads.shape[0], p.shape[0]
-    listed = np.empty(nq + 1, np.int64)
+def escape_positions(quads: np.ndarray) -> tuple[np.ndarray, int]:
+    """The element positions of the escapes (class 3) of a chunk's quads (fewer than 2**31 elements), in
+    order, and their number (the array has spare slots). Two branch-free passes: the quads that hold an
+    escape, then the four classes of each of those. int32 positions: with int64 ones (twice the memory)
+    the two passes take 2.5x longer."""
+    listed, count = _quads_with_escapes(quads)
+    return _positions_in_quads(quads, listed, count)
+
+
+@njit(**NJIT)
+def _quads_with_escapes(quads: np.ndarray) -> tuple[np.ndarray, int]:
+    listed = np.empty(quads.shape[0] + 1, np.int32)  # int32: half the memory traffic of int64, and faster
     count = 0
-    for j in range(nq):
-        q = np.int64(quads[j])
+    for j in range(quads.shape[0]):
+        q = np.int32(quads[j])
         listed[count] = j
         count += (q & (q >> 1) & 0x55) != 0  # some class is 3
-    w, acc, nb, e = 0, np.uint64(0), 0, 0
+    return listed, count
+
+
+@njit(**NJIT)
+def _positions_in_quads(quads: np.ndarray, listed: np.ndarray, count: int) -> tuple[np.ndarray, int]:
+    where = np.empty(4 * count + 1, np.int32)
+    m = 0
     for t in range(count):
         j = listed[t]
-        q = np.int64(quads[j])
-        for k in range(4):
-            i = min(4 * j + k, n - 1)  # past the end only in the last quad, whose classes there are 0
-            hit = ((q >> (2 * k)) & 3) == 3
-            z = zigzag(to_key(np.int64(c[i]), sign, mask) - to_key(np.int64(p[i]), sign, mask))
-            s, ne, ex = bucket(z)
-            esyms[min(e, esyms.shape[0] - 1)] = s
-            e += hit
-            acc, nb, word, full = bw_add(acc, nb, ex * hit, ne * hit)
-            bbuf[w] = word
-            w += full
-    return bw_finish(bbuf, w, acc, nb)
+        q = np.int32(quads[j])
+        b = 4 * j
+        where[m] = b
+        m += (q & 3) == 3
+        where[m] = b + 1
+        m += (q & 12) == 12
+        where[m] = b + 2
+        m += (q & 48) == 48
+        where[m] = b + 3
+        m += (q & 192) == 192
+    return where, m
 
 
-def _quad_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per quad symbol: its four key changes as packed int8 bytes (element k in byte k; escapes 0), its
-    four escape flags as packed bytes, its number of escapes, and its count of each class."""
+def _quad_tables() -> tuple[np.ndarray, np.ndarray]:
+    """Per quad symbol: its four key changes as packed int8 bytes (element k in byte k; escapes 0), and its
+    count of each class."""
     step = {0: 0, 1: -1, 2: 1, 3: 0}
     deltas = np.zeros(QUAD_ALPHABET, np.uint32)
-    flags = np.zeros(QUAD_ALPHABET, np.uint32)
-    escapes = np.zeros(QUAD_ALPHABET, np.int64)
     classes = np.zeros((QUAD_ALPHABET, 4), np.int64)
     for q in range(QUAD_ALPHABET):
         for k in range(4):
             cls = (q >> (2 * k)) & 3
             deltas[q] |= (step[cls] & 0xFF) << (8 * k)
-            flags[q] |= int(cls == 3) << (8 * k)
-            escapes[q] += cls == 3
             classes[q, cls] += 1
-    return deltas, flags, escapes, classes
+    return deltas, classes
 
 
-QUAD_DELTAS, QUAD_ESCAPE_FLAGS, QUAD_ESCAPES, QUAD_CLASSES = _quad_tables()
+QUAD_DELTAS, QUAD_CLASSES = _quad_tables()
 
 
 def new_hist() -> np.ndarray:

@@ -44,6 +44,15 @@ class Table:
         if side != "encode":
             self.lut, self.fc  # noqa: B018
 
+    @classmethod
+    def decoding(
+        cls, freq: np.ndarray, cum: np.ndarray, lut: np.ndarray, fc: np.ndarray, alphabet: int
+    ) -> Table:
+        """A table from its already built and checked decoding half (``parse_table``)."""
+        t = cls.__new__(cls)
+        t.freq, t.cum, t.alphabet, t._lut, t._fc, t._enc = freq, cum, alphabet, lut, fc, None
+        return t
+
     @property
     def fc(self) -> np.ndarray:
         if self._fc is None:
@@ -59,12 +68,7 @@ class Table:
     @property
     def enc(self) -> np.ndarray:
         if self._enc is None:
-            full = self.freq
-            used = full > 0
-            enc = np.zeros((5, self.alphabet), np.uint64)
-            enc[:, used] = _ENC_ROWS[:, full[used]]
-            enc[3, used] += self.cum[used].astype(np.uint64)  # the bias includes the symbol's start
-            self._enc = enc
+            self._enc = _encoder_table(self.freq, self.cum, _ENC_ROWS)
         return self._enc
 
 
@@ -82,6 +86,20 @@ def _encoder_rows() -> np.ndarray:
 
 
 _ENC_ROWS = _encoder_rows()
+
+
+@njit(**NJIT)
+def _encoder_table(freq: np.ndarray, cum: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``Table.enc``: each used symbol's column of ``rows`` (``_ENC_ROWS``) by its frequency, its bias
+    including the symbol's start ``cum``; zero columns for unused symbols."""
+    enc = np.zeros((5, freq.shape[0]), np.uint64)
+    for s in range(freq.shape[0]):
+        f = freq[s]
+        if f > 0:
+            for r in range(5):
+                enc[r, s] = rows[r, f]
+            enc[3, s] += np.uint64(cum[s])
+    return enc
 
 
 def normalize(counts: np.ndarray) -> np.ndarray:
@@ -121,9 +139,16 @@ def _normalize(counts: np.ndarray) -> np.ndarray:
 
 def table_cost_bits(counts: np.ndarray, freq: np.ndarray) -> float:
     """Exact coded size in bits of symbols with these counts under the quantised ``freq``."""
-    counts = np.asarray(counts, np.float64)[: freq.shape[0]]
-    used = counts > 0
-    return float(-(counts[used] * np.log2(freq[used] / PROB_SCALE)).sum())
+    return _cost_bits(np.ascontiguousarray(counts, np.float64), np.ascontiguousarray(freq, np.float64))
+
+
+@njit(**NJIT)
+def _cost_bits(counts: np.ndarray, freq: np.ndarray) -> float:
+    bits = 0.0
+    for s in range(min(counts.shape[0], freq.shape[0])):
+        if counts[s] > 0:
+            bits -= counts[s] * np.log2(freq[s] / PROB_SCALE)
+    return bits
 
 
 def entropy_bits(counts: np.ndarray) -> float:
@@ -165,13 +190,44 @@ def serialize_table(freq: np.ndarray, out: bytearray) -> None:
     out += buf[: _pack_table(freq, buf)].tobytes()
 
 
-def parse_table(buf: bytes | memoryview, pos: int, alphabet: int = ALPHABET) -> tuple[Table, int]:
-    """The table ``serialize_table`` wrote at ``pos`` (at most ``alphabet`` symbols) and the next offset."""
-    freq = np.zeros(alphabet, np.int64)
-    n, pos = _unpack_table(np.frombuffer(buf, np.uint8), pos, alphabet, freq)
-    if n < 1:
+def parse_table(
+    buf: bytes | memoryview | np.ndarray, pos: int, alphabet: int = ALPHABET
+) -> tuple[Table, int]:
+    """The table ``serialize_table`` wrote at ``pos`` (at most ``alphabet`` symbols), with its decoding half
+    built (one compiled call), and the next offset. ``buf`` may be the blob's bytes as a uint8 array."""
+    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
+    n, pos, freq, cum, lut, fc = _read_decode_table(arr, pos, alphabet)
+    if n == -1:
         raise ValueError("corrupt frequency table: truncated, or more symbols than the alphabet")
-    return Table(freq[:n], alphabet, side="decode"), pos
+    if n == -2:
+        raise ValueError(f"corrupt frequency table (frequencies must sum to {PROB_SCALE})")
+    return Table.decoding(freq, cum, lut, fc, alphabet), pos
+
+
+@njit(**NJIT)
+def _read_decode_table(
+    buf: np.ndarray, pos: int, alphabet: int
+) -> tuple[int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``_unpack_table`` plus the decoding half of a ``Table``: (symbol count, next offset, freq, cum, lut,
+    fc); the count is -1 for a truncated table or too many symbols, -2 when the frequencies do not sum to
+    ``PROB_SCALE`` (the arrays are then empty)."""
+    freq64 = np.zeros(alphabet, np.int64)
+    n, pos = _unpack_table(buf, pos, alphabet, freq64)
+    empty32, empty8 = np.zeros(0, np.uint32), np.zeros(0, np.uint8)
+    if n < 1:
+        return -1, pos, empty32, empty32, empty8, empty32
+    if freq64.sum() != PROB_SCALE:  # varints are < 2**35 each, so the sum cannot wrap
+        return -2, pos, empty32, empty32, empty8, empty32
+    freq, cum = freq64.astype(np.uint32), np.zeros(alphabet, np.uint32)
+    lut, fc = np.empty(PROB_SCALE, np.uint8), np.empty(alphabet, np.uint32)
+    at = 0
+    for s in range(alphabet):
+        cum[s] = at
+        fc[s] = freq[s] | (at << 16)
+        for k in range(at, at + freq[s]):
+            lut[k] = s
+        at += freq[s]
+    return n, pos, freq, cum, lut, fc
 
 
 @njit(**NJIT)
@@ -204,7 +260,7 @@ def _pack_table(freq: np.ndarray, buf: np.ndarray) -> int:
 
 
 @njit(**NJIT)
-def _get_varint(buf: np.ndarray, pos: int) -> tuple[int, int]:
+def get_varint(buf: np.ndarray, pos: int) -> tuple[int, int]:
     """(value, next offset), or (-1, pos) if truncated or longer than 35 bits."""
     v, shift = 0, 0
     while pos < buf.shape[0] and shift <= 28:
@@ -221,16 +277,16 @@ def _get_varint(buf: np.ndarray, pos: int) -> tuple[int, int]:
 def _unpack_table(buf: np.ndarray, pos: int, alphabet: int, freq: np.ndarray) -> tuple[int, int]:
     """Read ``serialize_table``'s format at ``pos`` into ``freq``; (symbol count, next offset), or (-1, pos)
     when it is truncated or names more than ``alphabet`` symbols."""
-    n, pos = _get_varint(buf, pos)
+    n, pos = get_varint(buf, pos)
     if n < 1 or n > alphabet:
         return -1, pos
     i = 0
     while i < n:
-        f, pos = _get_varint(buf, pos)
+        f, pos = get_varint(buf, pos)
         if f < 0:
             return -1, pos
         if f == 0:
-            run, pos = _get_varint(buf, pos)
+            run, pos = get_varint(buf, pos)
             if run < 0:
                 return -1, pos
             i += run
