@@ -90,6 +90,26 @@ def test_dense_changes_take_the_quad_mode_bit_exactly_with_every_tail(kind, n):
     assert live.tobytes() == cur.tobytes()
 
 
+def test_quad_blob_is_the_same_whether_escapes_are_kept_from_the_scan_or_scanned_again(monkeypatch):
+    """A chunk with many escapes is scanned again at encode time instead of holding their codes in memory
+    (``KEEP_ESCAPES``); both paths must write the same bytes."""
+    import tandem.weights.codec as codec
+
+    rng = np.random.default_rng(7)
+    n = (1 << 16) + 3
+    prev = bf16(rng.standard_normal(n).astype(np.float32) * 0.02)
+    pick = rng.random(n)
+    step = np.where(pick < 0.3, 1, np.where(pick < 0.6, -1, 0))
+    step[pick >= 0.75] = rng.integers(2, 3000, int((pick >= 0.75).sum()))  # 25% escapes
+    cur = _key_step(prev, step, 16)
+    blobs = []
+    for keep in (0.0, 1.0):
+        monkeypatch.setattr(codec, "KEEP_ESCAPES", keep)
+        blobs.append(roundtrip(prev, cur))
+    assert mode_of(blobs[0]) == QUAD
+    assert blobs[0] == blobs[1]
+
+
 def _key_step(bits: np.ndarray, step: np.ndarray, width: int) -> np.ndarray:
     """Bit patterns moved by ``step`` in ordered-key space (wrapping at the key range's ends)."""
     sign, mask = 1 << (width - 1), (1 << width) - 1

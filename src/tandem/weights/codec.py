@@ -53,6 +53,9 @@ QUAD_CHUNK_BITS = 8 * 48  # per chunk: directory varints and eight rANS final st
 ZSTD_LEVEL = 3
 DENSE_FROM = 0.2  # density from which the dense decoder (per element) beats the sparse one (per change)
 SPEED_BIAS = 1.03  # the slower mode must be this much smaller to be chosen
+KEEP_ESCAPES = 1 / 8  # a chunk keeps its escapes' codes (~3 bytes each) from scan to encode up to this
+# fraction of its elements; above it, which bounds what a dense delta of a large model holds at once, the
+# encode phase scans the chunk again
 DENSE_BIAS = 1.10  # the dense mode decodes ~3x slower than the quad mode: it must be this much smaller
 
 Task = Callable[[], None]
@@ -185,7 +188,8 @@ class TensorEncoder:
             self.scans[k] = _Scan(int(n - hist[1, 0]), None, None, hist)
         scan = self.scans[k]
         scan.quads, scan.escapes, scan.qhist, scan.ehist = quads, esyms.shape[0], qhist, ehist
-        scan.esyms, scan.ebits, scan.enbits = esyms, ebits[:words], enbits
+        if esyms.shape[0] <= n * KEEP_ESCAPES:  # else recomputed when encoding (see KEEP_ESCAPES)
+            scan.esyms, scan.ebits, scan.enbits = esyms, ebits[:words].copy(), enbits
 
     def _encode_fallback(self) -> None:
         pb = self.prev.reshape(-1).view(np.uint8)
@@ -291,7 +295,14 @@ class TensorEncoder:
 
     def _encode_quad(self, k: int) -> None:
         s = self.scans[k]
-        assert s.quads is not None and s.esyms is not None and s.ebits is not None
+        assert s.quads is not None
+        if s.esyms is None or s.ebits is None:  # not kept from the scan: scan the chunk again
+            a, b = self.chunks[k]
+            spare_q, spare_e = np.zeros(K.QUAD_ALPHABET, np.int64), np.zeros(ALPHABET, np.int64)
+            esyms, ebits, words, s.enbits = K.quad_scan(
+                self.p[a:b], self.c[a:b], self.spec.sign, self.spec.mask, s.quads, spare_q, spare_e
+            )
+            s.esyms, s.ebits = esyms, ebits[:words]
         m, nq = s.escapes, s.quads.shape[0]
         qbuf, qstart = np.empty((K.LANES, nq // K.LANES + 4), np.uint16), np.zeros(K.LANES, np.int64)
         ebuf, estart = np.empty((K.LANES, m // K.LANES + 4), np.uint16), np.zeros(K.LANES, np.int64)
