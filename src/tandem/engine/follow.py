@@ -7,7 +7,9 @@ Invariants:
   first sync, ``update_weights`` (a full reload). The worker thread, and the download and decode threads it
   starts, run ``nice`` levels below the process (Linux thread niceness) as far as the kernel allows (see
   ``lower_priority_plan``: in a process that already runs niced, such as a Ray actor at nice 15, the threads
-  run ``SCHED_IDLE``), so on a busy machine serving keeps the CPU and the sync takes what is left; the pause
+  run ``SCHED_IDLE``), so on a busy machine serving keeps the CPU and the sync takes what is left (of the
+  CPU: not of the GIL, which any Python these threads run takes from the engine's loop; so the sync's
+  Python work slows serving whatever its priority, see the README's Weight sync section); the pause
   itself runs on the engine's loop thread at the process's priority. The writes a built-in engine leaves
   for after its pause (its other weight bank, its parameters) run on a third thread 19 levels below the
   process (as far as the kernel allows, likewise) once the engine serves the new version, so on a host with
