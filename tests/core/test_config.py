@@ -45,6 +45,7 @@ def test_overrides_parse_toml_values(tmp_path):
         ("sandbox.scratch=ram", "sandbox.scratch"),
         ("engine.gather_idle_ms=-1", "engine.gather_idle_ms"),
         ("engine.gather_idle_max_ms=1e9", "engine.gather_idle_max_ms"),
+        ("weights.lead_yield_ms=-5", "weights.lead_yield_ms"),
     ],
 )
 def test_invalid_config_names_the_field(override, needle):

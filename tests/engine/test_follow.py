@@ -295,3 +295,70 @@ def test_engines_read_a_written_patch_while_another_holds_the_share_lock(served,
         release.set()
         for s in syncs:
             s.close()
+
+
+def test_a_serving_engine_lets_an_idle_one_produce_the_shared_patch(served, tmp_path):
+    """With a host share, an engine that has sessions running waits (``lead_yield_ms``) for another engine
+    of its host to produce the next patch instead of decoding it beside its decode loop; when nobody does,
+    it produces the patch itself after the wait. A bad wait is refused naming the parameter."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tandem.weights.hostshare import HostShare
+
+    store, server = served
+    trainer_model = _model()
+    publisher = WeightPublisher(store, keep_versions=10)
+    share = HostShare(tmp_path / "share")
+    busy, idle = (BuiltinEngine(_model(), EngineConfig(max_batch=2, max_seq_len=64)) for _ in range(2))
+    syncs = [EngineWeightSync(busy, server.url, share=share, lead_yield_ms=10_000),
+             EngineWeightSync(idle, server.url, share=share)]  # fmt: skip
+    stop = threading.Event()
+
+    def load() -> None:  # keep the busy engine's batch full and its queue non-empty
+        params = SamplingParams(max_new_tokens=40, temperature=1.0)
+        while not stop.is_set():
+            busy.generate([GenerationRequest([1 + i, 2, 3], params) for i in range(4)])
+
+    g = torch.Generator().manual_seed(9)
+    try:
+        publisher.publish(0, _bf16_state(trainer_model))
+        for s in syncs:
+            s.sync(0)
+        busy.start()
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
+        deadline = time.monotonic() + 30
+        while not busy.health()["active"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert busy.health()["active"]
+        _step(trainer_model, g)
+        publisher.publish(1, _bf16_state(trainer_model))
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(syncs[0].sync, 1)
+            time.sleep(1.0)
+            assert not waiting.done()  # serving: it waits for someone else to produce the patch
+            led = syncs[1].sync(1)
+            assert led["shared_steps"] == 0 and led["downloaded_bytes"] > 0
+            out = waiting.result(timeout=60)
+        assert out["shared_steps"] == 1 and out["downloaded_bytes"] == 0
+        assert syncs[0].stats["lead_yields"] == 1
+        # Nobody else produces version 2: after its (now short) wait, the serving engine does it itself.
+        syncs[0].lead_yield_s = 0.05
+        _step(trainer_model, g)
+        publisher.publish(2, _bf16_state(trainer_model))
+        out = syncs[0].sync(2)
+        assert out["shared_steps"] == 0 and out["downloaded_bytes"] > 0
+        assert syncs[0].stats["lead_yields"] == 1
+        stop.set()
+        loader.join(timeout=60)
+        busy.stop()
+        _assert_serves(busy, _bf16_state(trainer_model))
+    finally:
+        stop.set()
+        busy.stop()  # fails the load's requests if the test failed with them running
+        for s in syncs:
+            s.close()
+    with pytest.raises(ValueError, match="lead_yield_ms"):
+        EngineWeightSync(idle, server.url, share=share, lead_yield_ms=-1)

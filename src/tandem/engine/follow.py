@@ -24,7 +24,10 @@ Invariants:
   pause on the nice-19 thread, before ``sync`` returns, so the shadow never lags once ``sync`` is done);
   only when the next one is missing does it take the share's lock, look again, and, when still missing,
   advance from the store itself and write its verified patch for the others, whom the lock holds back
-  meanwhile. Full reloads are never shared.
+  meanwhile. An engine with sessions running first waits up to ``lead_yield_ms`` for another engine of the
+  host to write that patch (producing it runs Python beside the decode loop, which takes the GIL from the
+  loop), so an idle engine leads when there is one; after the wait it takes the lock as above, so a host of
+  busy engines still advances. Full reloads are never shared.
 - Published tensors omit tied duplicates (``lm_head`` tied to the embeddings): patching the published name
   patches the shared storage and every derived buffer built from it.
 """
@@ -60,9 +63,13 @@ class EngineWeightSync:
         threads: int = 1,
         nice: int = 10,
         share: HostShare | str | None = None,
+        lead_yield_ms: float = 50.0,
     ) -> None:
         if not 0 <= nice <= 19:
             raise ValueError(f"nice={nice} must be in [0, 19] (0: the sync runs at the process's priority)")
+        if not 0 <= lead_yield_ms <= 10_000:
+            raise ValueError(f"lead_yield_ms={lead_yield_ms} must be in [0, 10000] (0: never wait)")
+        self.lead_yield_s = lead_yield_ms / 1000
         self.engine = engine
         self.share = HostShare(share) if isinstance(share, str) else share
         self.follower = WeightFollower(WeightClient(urls, parallel=connections), threads=threads)
@@ -77,6 +84,7 @@ class EngineWeightSync:
             "syncs": 0, "full_reloads": 0, "pause_s_total": 0.0, "pause_s_last": 0.0,
             "full_reload_s_last": 0.0, "fetch_s_total": 0.0, "decode_s_total": 0.0,
             "downloaded_bytes": 0, "patched_elements": 0, "shared_patches": 0, "shared_read_s_total": 0.0,
+            "lead_yields": 0,
         }  # fmt: skip
 
     @property
@@ -106,6 +114,7 @@ class EngineWeightSync:
         adv: Advance | None = None
         written: Patches | None = None
         looked_again: set[int] = set()
+        yielded = False
         while adv is None:
             t0 = time.perf_counter()
             while (a := self.follower.version) is not None and a < target:  # no lock: see hostshare
@@ -123,6 +132,11 @@ class EngineWeightSync:
             mid = self.follower.version
             if mid == target:
                 break
+            if mid is not None and not yielded and self._serving():
+                yielded = True  # once per sync: let an idle engine of the host lead (see lead_yield_ms)
+                if self._wait_for_share(mid, target):
+                    self.stats["lead_yields"] += 1
+                    continue
             with self.share.lock():
                 # The leader of this step may have written its patch while this engine waited for the lock:
                 # read it outside the lock, so the waiting engines read in parallel (once per version: a
@@ -148,6 +162,22 @@ class EngineWeightSync:
         for name, idx in shared.items():  # what the share moved before the store took over
             adv.changes[name] = _union(adv.changes[name], idx) if name in adv.changes else idx
         return adv, None, None
+
+    def _serving(self) -> bool:
+        """Whether the engine has sessions running (its decode loop is busy)."""
+        health = getattr(self.engine, "health", None)
+        return bool(health is not None and health().get("active", 0))
+
+    def _wait_for_share(self, a: int, target: int) -> bool:
+        """Poll the host share for a patch from ``a`` (towards ``target``) for up to ``lead_yield_s``;
+        True when one appeared."""
+        assert self.share is not None
+        deadline = time.monotonic() + self.lead_yield_s
+        while time.monotonic() < deadline:
+            if self.share.find(a, target) is not None:
+                return True
+            time.sleep(0.005)
+        return False
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)

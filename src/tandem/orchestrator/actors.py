@@ -70,7 +70,13 @@ class EngineActor:
 
             w = cfg.weights
             self.weight_sync = EngineWeightSync(
-                self.engine, weight_urls, w.connections, w.codec_threads, w.follow_nice, share=weight_share
+                self.engine,
+                weight_urls,
+                w.connections,
+                w.codec_threads,
+                w.follow_nice,
+                share=weight_share,
+                lead_yield_ms=w.lead_yield_ms,
             )
 
     async def follow(self, version: int) -> dict[str, Any]:

@@ -162,11 +162,12 @@ class TensorEncoder:
         a, b = self.chunks[k]
         p, c = self.p[a:b], self.c[a:b]
         spec = self.spec
-        p64, c64 = _word_views(p, c, spec.lanes)
-        cap = (b - a) // 4 + 24
-        idx, z, hist = np.empty(cap, np.uint32), np.empty(cap, np.uint64), K.new_hist()
+        hist = K.new_hist()
         count = -1
         if _sampled_density(p, c) < DENSE_FROM * 1.25:  # a clearly dense chunk skips listing its changes
+            p64, c64 = _word_views(p, c, spec.lanes)
+            cap = (b - a) // 4 + 24
+            idx, z = np.empty(cap, np.uint32), np.empty(cap, np.uint64)
             count = K.scan_chunk(p, c, p64, c64, 64 // spec.lanes, spec.sign, spec.mask, idx, z)
         n = b - a
         if count >= 0:
