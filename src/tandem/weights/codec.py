@@ -85,7 +85,7 @@ def chunk_ranges(n: int) -> list[tuple[int, int]]:
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
-def _word_views(p: np.ndarray, c: np.ndarray, lanes: int) -> tuple[np.ndarray, np.ndarray]:
+def word_views(p: np.ndarray, c: np.ndarray, lanes: int) -> tuple[np.ndarray, np.ndarray]:
     """uint64 views of the whole words of two chunk slices, or empty arrays if they are not 8-aligned."""
     nw = p.shape[0] // lanes
     if nw == 0 or p.ctypes.data % 8 or c.ctypes.data % 8:
@@ -165,7 +165,7 @@ class TensorEncoder:
         hist = K.new_hist()
         count = -1
         if _sampled_density(p, c) < DENSE_FROM * 1.25:  # a clearly dense chunk skips listing its changes
-            p64, c64 = _word_views(p, c, spec.lanes)
+            p64, c64 = word_views(p, c, spec.lanes)
             cap = (b - a) // 4 + 24
             idx, z = np.empty(cap, np.uint32), np.empty(cap, np.uint64)
             count = K.scan_chunk(p, c, p64, c64, 64 // spec.lanes, spec.sign, spec.mask, idx, z)

@@ -33,7 +33,7 @@ from tandem.weights.blob import (
     key_spec,
     parse_header,
 )
-from tandem.weights.codec import Task, chunk_ranges, run_tasks
+from tandem.weights.codec import Task, chunk_ranges, run_tasks, word_views
 from tandem.weights.entropy import NJIT, golomb_params
 from tandem.weights.tables import Table, get_varint, parse_table, read_varint
 
@@ -190,9 +190,7 @@ class TensorDecoder:
         s, t, e, spec, lanes = self.streams[k], self.table, self.esc_table, self.spec, K.LANES
         p = self.prev.reshape(-1).view(spec.bits_dtype)[s.start : s.stop]
         o = self.out.reshape(-1).view(spec.bits_dtype)[s.start : s.stop]
-        p64, o64 = _words(p), _words(o)
-        if p64.shape[0] == 0 or o64.shape[0] == 0:
-            p64 = o64 = _NO_WORDS
+        p64, o64 = word_views(p, o, spec.lanes)  # empty unless both are 8-byte aligned
         self.status[k] = D.decode_quad_chunk(
             p, o, p64, o64, t.lut, t.fc, s.rwords[:lanes], s.rlens[:lanes], e.lut, e.fc, s.rwords[lanes:],
             s.rlens[lanes:], s.count, s.bwords, s.nbits, spec.sign, spec.mask,
@@ -268,17 +266,6 @@ def _read_chunk(
     for k in range(nbytes):
         bbytes[k] = buf[pos + k]
     return count, pos + nbytes, rwords, lens, bwords, nbits
-
-
-_NO_WORDS = np.zeros(0, np.uint64)
-
-
-def _words(a: np.ndarray) -> np.ndarray:
-    """The whole 64-bit words of a contiguous 1-D array, or an empty array when it is not 8-byte aligned."""
-    whole = a.shape[0] * a.itemsize // 8
-    if whole == 0 or a.ctypes.data % 8:
-        return _NO_WORDS
-    return a[: whole * 8 // a.itemsize].view(np.uint64)
 
 
 def decode_tensor(prev: np.ndarray, blob: bytes, name: str = "tensor", threads: int = 1) -> np.ndarray:
