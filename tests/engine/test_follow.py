@@ -120,23 +120,49 @@ def test_corrupt_blob_recovers_from_snapshot_and_never_serves_bad_weights(served
         assert torch.equal(state[name], torch.from_numpy(bits).view(torch.bfloat16).float()), name
 
 
-def test_sync_work_runs_below_the_process_priority_and_bad_nice_is_refused(served):
+def test_store_work_and_idle_syncs_run_below_the_process_priority_and_bad_nice_is_refused(served):
+    """Download and decode run ``nice`` levels down, and so does an idle engine's whole sync; a serving
+    engine's short GIL-holding sync work stays at the process's priority (a starved GIL holder would stall
+    its decode loop). Which thread a sync takes follows ``health()["active"]``."""
     import os
     import threading
+    import time
 
     from tandem.core.config import load_config
     from tandem.core.errors import ConfigError
 
     _, server = served
-    engine = BuiltinEngine(_model(), EngineConfig(max_batch=2, max_seq_len=64))
+    engine = BuiltinEngine(_model(), EngineConfig(max_batch=2, max_seq_len=4096))
     base = os.getpriority(os.PRIO_PROCESS, os.getpid())
     sync = EngineWeightSync(engine, server.url, nice=5)
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    publisher = WeightPublisher(served[0], keep_versions=4)
+    trainer_model = _model()
+    g = torch.Generator().manual_seed(1)
+    engine.start()
     try:
-        worker = sync._worker.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        assert worker.result() == min(19, base + 5)
+        assert sync._store.submit(niceness).result() == min(19, base + 5)
+        assert sync._idle_worker.submit(niceness).result() == min(19, base + 5)
+        assert sync._worker.submit(niceness).result() == base
         assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the caller is untouched
+        publisher.publish(0, _bf16_state(trainer_model))
+        assert sync.sync(0)["serving"] is False  # idle: the lowered thread
+        _step(trainer_model, g)
+        publisher.publish(1, _bf16_state(trainer_model))
+        long = GenerationRequest([1, 2, 3], SamplingParams(max_new_tokens=4000, temperature=1.0))
+        running = engine.submit(long)
+        deadline = time.monotonic() + 30
+        while not engine.health().get("active") and time.monotonic() < deadline:
+            time.sleep(0.001)
+        out = sync.sync(1)
+        assert out["serving"] is True and out["version"] == 1 and sync.stats["serving_syncs"] == 1
+        running.result(timeout=120)
     finally:
         sync.close()
+        engine.stop()
     with pytest.raises(ValueError, match="nice=25"):
         EngineWeightSync(engine, server.url, nice=25)
     with pytest.raises(ConfigError, match="follow_nice"):

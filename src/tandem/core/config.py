@@ -452,8 +452,10 @@ class WeightsConfig(Section):
     connections: int = 4
     """Parallel HTTP connections an engine uses to download a version's blobs."""
     follow_nice: int = Field(10, ge=0, le=19)
-    """Niceness of an engine's weight-sync thread (download, decode, verify) relative to its process, so
-    that on a shared machine serving keeps the CPU while the next version is prepared. 0: same priority.
+    """Niceness of an engine's weight-store thread (download, decode, verify from the store) relative to its
+    process, so that on a shared machine serving keeps the CPU while the next version is prepared. 0: same
+    priority. The rest of a sync (host-share patches, the engine's own writes) always runs at the process's
+    priority: it is short and holds the GIL, which a starved thread would keep from the decode loop.
     Where the process is already niced (Ray starts actors at 15) and fewer levels are left, the thread runs
     SCHED_IDLE when that comes closer to the asked-for CPU share than nice 19."""
     relays: int = 0

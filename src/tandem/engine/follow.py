@@ -1,27 +1,34 @@
 """Keep a built-in engine on the newest verified version of a weight store (the delta path).
 
 Invariants:
-- Downloading, decoding and verifying happen on the follower's own worker thread while the engine keeps
-  serving (the thread first loads the codec's compiled kernels, so the first delta does not pay that); the
-  engine pauses only inside ``patch_weights`` (changed elements) or, after a snapshot recovery or at the
-  first sync, ``update_weights`` (a full reload). The worker thread, and the download and decode threads it
-  starts, run ``nice`` levels below the process (Linux thread niceness) as far as the kernel allows (see
-  ``lower_priority_plan``: in a process that already runs niced, such as a Ray actor at nice 15, the threads
-  run ``SCHED_IDLE``), so on a busy machine serving keeps the CPU and the sync takes what is left (of the
-  CPU: not of the GIL, which any Python these threads run takes from the engine's loop; so the sync's
-  Python work slows serving whatever its priority, see the README's Weight sync section); the pause
-  itself runs on the engine's loop thread at the process's priority. The writes a built-in engine leaves
-  for after its pause (its other weight bank, its parameters) run on a third thread 19 levels below the
-  process (as far as the kernel allows, likewise) once the engine serves the new version, so on a host with
-  several engines they do not delay the engines still on their way to their pause; ``sync`` returns once
-  they are done (after a full reload too: its second weight bank is built then, not on the next delta).
+- Downloading, decoding and verifying from the store happen on the follower's store thread while the
+  engine keeps serving (the thread first loads the codec's compiled kernels, so the first delta does not pay
+  that); the engine pauses only inside ``patch_weights`` (changed elements) or, after a snapshot recovery or
+  at the first sync, ``update_weights`` (a full reload). The store thread, and the download and decode
+  threads it starts, run ``nice`` levels below the process (Linux thread niceness) as far as the kernel
+  allows (see ``lower_priority_plan``: in a process that already runs niced, such as a Ray actor at nice 15,
+  they run ``SCHED_IDLE``), so on a busy machine serving keeps the CPU and a store sync takes what is left.
+- The rest of a sync (applying a host-share patch: read, check, the engine's patch plan and idle-bank
+  writes; the shadow write of a shared step; the writes a built-in engine leaves for after its pause, its
+  other weight bank and its parameters, done once the engine serves the new version and before ``sync``
+  returns, after a full reload too) runs on a thread whose priority depends on the engine at the start of
+  the sync. An engine with sessions running (``health()["active"]``) runs it at the process's priority:
+  that work is short (about 30 ms of CPU per sync on a 100M model) and holds the GIL for much of it, and a
+  GIL holder the kernel starves (a ``SCHED_IDLE`` thread behind busy neighbours) stalls the engine's own
+  decode loop, which needs the GIL between its torch calls: a priority inversion. An idle engine has no
+  loop to stall, so it runs that work ``nice`` levels down and leaves the CPU to the engines that serve.
+  Measured (README, Weight sync): a loaded engine applying patches beside two busy processes decoded at
+  0.84-0.85 of its quiet rate with its after-pause writes at ``SCHED_IDLE`` and 0.94-1.02 with them at the
+  process's priority; running every engine's patch work at the process's priority instead took CPU from
+  the serving engine (0.80-0.81 in ``tandem bench sync``). The pause itself runs on the engine's loop
+  thread.
 - The engine is only ever given weights the follower verified against the store's recorded hash
   (``tandem.weights.follow``); if verification and the snapshot recovery both fail, the engine keeps its
   current version and the error propagates.
 - With a host share (``tandem.weights.hostshare``), an engine at version ``a`` first applies the verified
   patches ``a -> b`` other engines of its host wrote (read without a lock, in parallel with the others;
   when a single patch reaches the target, the engine is patched first and the shadow follows after the
-  pause on the nice-19 thread, before ``sync`` returns, so the shadow never lags once ``sync`` is done);
+  pause, before ``sync`` returns, so the shadow never lags once ``sync`` is done);
   only when the next one is missing does it take the share's lock, look again, and, when still missing,
   advance from the store itself and write its verified patch for the others, whom the lock holds back
   meanwhile. An engine with sessions running first waits up to ``lead_yield_ms`` for another engine of the
@@ -74,17 +81,20 @@ class EngineWeightSync:
         self.share = HostShare(share) if isinstance(share, str) else share
         self.follower = WeightFollower(WeightClient(urls, parallel=connections), threads=threads)
         self._lock = threading.Lock()  # one sync at a time; a later call catches up to its own target
-        self._worker = ThreadPoolExecutor(1, "weight-sync", initializer=_lower_priority, initargs=(nice,))
-        self._worker.submit(warm_kernels)  # in the background: the first delta then decodes at full speed
-        self._flusher = ThreadPoolExecutor(
-            1, "weight-flush", initializer=_lower_priority, initargs=(19 if nice > 0 else 0,)
+        # Where a sync runs (see module invariants): a serving engine's on a thread at the process's
+        # priority, an idle engine's on a lowered one; store work (download, decode) always lowered.
+        self._worker = ThreadPoolExecutor(1, "weight-sync")
+        self._idle_worker = ThreadPoolExecutor(
+            1, "weight-sync-idle", initializer=_lower_priority, initargs=(nice,)
         )
-        self._defers = isinstance(engine, BuiltinEngine)  # its late writes go to the flush thread
+        self._store = ThreadPoolExecutor(1, "weight-store", initializer=_lower_priority, initargs=(nice,))
+        self._store.submit(warm_kernels)  # in the background: the first delta then decodes at full speed
+        self._defers = isinstance(engine, BuiltinEngine)  # its late writes follow the pause (flush_deferred)
         self.stats: dict[str, float] = {
             "syncs": 0, "full_reloads": 0, "pause_s_total": 0.0, "pause_s_last": 0.0,
             "full_reload_s_last": 0.0, "fetch_s_total": 0.0, "decode_s_total": 0.0,
             "downloaded_bytes": 0, "patched_elements": 0, "shared_patches": 0, "shared_read_s_total": 0.0,
-            "lead_yields": 0,
+            "lead_yields": 0, "serving_syncs": 0,
         }  # fmt: skip
 
     @property
@@ -93,8 +103,9 @@ class EngineWeightSync:
 
     def sync(self, target: int | None = None) -> dict[str, Any]:
         """Bring the engine to ``target`` (latest if None); returns what this sync did. Blocks the caller
-        until done; the work runs on the follower's lower-priority worker thread."""
-        return self._worker.submit(self._sync, target).result()
+        until done; the work runs on the follower's threads (see module invariants)."""
+        serving = self._serving()
+        return (self._worker if serving else self._idle_worker).submit(self._sync, target, serving).result()
 
     def _advance(self, target: int | None) -> tuple[Advance, Patches | None, tuple[int, int] | None]:
         """Advance the follower to ``target``: through the host share's patches as far as they reach, then
@@ -104,7 +115,7 @@ class EngineWeightSync:
         to the shadow after the engine's pause (the shadow is then still at ``a``)."""
         start = self.follower.version
         if self.share is None or start is None or self.follower.shadow is None:
-            return self.follower.advance(target), None, None
+            return self._from_store(target), None, None
         if target is None:
             target = self.follower.latest()
             if target is None:
@@ -144,7 +155,7 @@ class EngineWeightSync:
                 if mid is not None and mid not in looked_again and self.share.find(mid, target) is not None:
                     looked_again.add(mid)
                     continue
-                adv = self.follower.advance(target)
+                adv = self._from_store(target)
                 if not adv.full and mid is not None and self.follower.shadow is not None:
                     written = _patches(adv.changes, self.follower.shadow)
                     self.share.write(mid, target, written)
@@ -162,6 +173,10 @@ class EngineWeightSync:
         for name, idx in shared.items():  # what the share moved before the store took over
             adv.changes[name] = _union(adv.changes[name], idx) if name in adv.changes else idx
         return adv, None, None
+
+    def _from_store(self, target: int | None) -> Advance:
+        """Advance the follower from the store, on the lower-priority store thread."""
+        return self._store.submit(self.follower.advance, target).result()
 
     def _serving(self) -> bool:
         """Whether the engine has sessions running (its decode loop is busy)."""
@@ -181,9 +196,10 @@ class EngineWeightSync:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
-        self._flusher.shutdown(wait=True)
+        self._idle_worker.shutdown(wait=True)
+        self._store.shutdown(wait=True)
 
-    def _sync(self, target: int | None) -> dict[str, Any]:
+    def _sync(self, target: int | None, serving: bool = False) -> dict[str, Any]:
         with self._lock:
             if target is not None and self.engine.version >= target and self.follower.version is not None:
                 return {"version": self.engine.version, "pause_s": 0.0, "skipped": True}
@@ -198,7 +214,7 @@ class EngineWeightSync:
                 pause = self.engine.update_weights(adv.version, shadow)
                 live_at = time.time()
                 if self._defers:  # e.g. the second weight bank: built now, not on the next delta's way
-                    self._flusher.submit(self.engine.flush_deferred).result()
+                    self.engine.flush_deferred()
                 self.stats["full_reloads"] += 1
                 self.stats["full_reload_s_last"] = pause
                 patched = sum(int(t.size) for t in shadow.values())
@@ -211,13 +227,14 @@ class EngineWeightSync:
                 else:
                     pause = self.engine.patch_weights(adv.version, patches, on_live)
                 if later is not None:  # the shared step's shadow write, off the way to the pause
-                    self._flusher.submit(self._apply_shared, *later, patches).result()
+                    self._apply_shared(*later, patches)
                 if self._defers:
-                    self._flusher.submit(self.engine.flush_deferred).result()  # at nice 19, see above
+                    self.engine.flush_deferred()  # after the pause, see above
                 live_at = live[0]
                 patched = sum(len(ix) for ix, _ in patches.values())
             s = self.stats
             s["syncs"] += 1
+            s["serving_syncs"] += serving
             s["pause_s_total"] += pause
             s["pause_s_last"] = pause
             s["fetch_s_total"] += adv.fetch_s
@@ -239,6 +256,7 @@ class EngineWeightSync:
                 "advanced_at": advanced_at,
                 "live_at": live_at,  # wall clock when the engine started serving this version
                 "shared_steps": int(self.stats["shared_patches"] - shared_before),  # patches from the share
+                "serving": serving,  # the engine had sessions running: the sync ran at the process's priority
             }
 
     def _apply_shared(self, a: int, b: int, patches: Patches) -> None:
