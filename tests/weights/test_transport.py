@@ -223,3 +223,28 @@ def test_client_cache_dir_serves_repeat_downloads(tmp_path):
         assert client.stats["cache_hits"] == 1  # the empty blob needs neither cache nor server
     key = manifest.blobs["w"].key
     assert hashlib.sha256((tmp_path / "cache" / "blobs" / key).read_bytes()).hexdigest() == key
+
+
+def test_downloaded_blobs_are_read_only_views_of_one_receive_buffer(tmp_path):
+    # Entries packed into one stored blob are cut out of its receive buffer, not copied: no bulk copy holds
+    # the GIL on the follower's low-priority threads (see tandem.weights.client).
+    import numpy as np
+
+    store = WeightStore.open(tmp_path / "s", create=True)
+    blobs = {f"t{i}": os.urandom(3000 + i) for i in range(8)}
+    manifest = store.publish(0, None, "full", "h0", blobs, pack=True)
+    store.close()
+    packed = [name for name, ref in manifest.blobs.items() if ref.length is not None]
+    assert len(packed) >= 2, "the store is expected to pack small entries"
+    with serve_store(store) as server, WeightClient(server.url, part_size=4096) as client:
+        got = client.download(manifest.blobs)
+    assert got == blobs
+    views = [got[name] for name in packed]
+    assert all(isinstance(v, memoryview) and v.readonly for v in views)
+    assert len({manifest.blobs[name].key for name in packed}) == 1
+    assert all(v.obj is views[0].obj for v in views)  # one buffer behind them all
+    ref0, ref1 = manifest.blobs[packed[0]], manifest.blobs[packed[1]]
+    a, b = (np.frombuffer(v, np.uint8).ctypes.data for v in views[:2])
+    assert b - a == ref1.offset - ref0.offset  # cut out in place
+    with pytest.raises(TypeError):
+        views[0][0] = 1

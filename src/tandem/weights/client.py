@@ -14,6 +14,13 @@ Invariants:
   connections; the thread that completes a blob verifies it. ``close()`` aborts downloads in flight.
   The optional ``limiter`` paces everything this client receives (one link).
 - ``cache_dir`` (optional) keeps verified blobs as ``blobs/{sha256}``; a cached blob is re-hashed on use.
+- A downloaded blob is handed out as a read-only ``memoryview`` of the buffer it was received into (a cached
+  one as ``bytes``): no bulk copy or zero-fill runs with the GIL held. The download threads run at the
+  follower's lowered priority (``tandem.engine.follow``), and a starved thread that holds the GIL through a
+  200 MB copy stalls the engine's decode loop for as long as the kernel keeps it off the CPU (measured with
+  ``py-spy --gil`` in ``tandem bench sync``: seconds per full snapshot). The receive buffer is allocated
+  without zero-fill, its pages are first touched by ``recv_into`` (which releases the GIL), and
+  ``slice_blobs`` and the decoders cut entries out of it without copying.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from tandem.weights.backend import FileBackend
 from tandem.weights.errors import (
@@ -49,6 +58,8 @@ DEFAULT_PART_SIZE = 8 << 20
 _READ_CHUNK = 256 * 1024
 _NET_ERRORS = (OSError, http.client.HTTPException)
 _EMPTY_SHA = hashlib.sha256(b"").hexdigest()
+Blob = bytes | memoryview
+"""A verified blob: ``bytes`` from the cache, a read-only view of its receive buffer when downloaded."""
 
 
 class SourceError(Exception):
@@ -79,7 +90,7 @@ class _Part:
 @dataclass
 class FetchedStep:
     step: PlanStep
-    blobs: dict[str, bytes]
+    blobs: dict[str, Blob]
 
 
 class WeightClient:
@@ -225,11 +236,11 @@ class WeightClient:
 
     # ---- blobs ----
 
-    def blob(self, key: str, size: int | None = None) -> bytes:
+    def blob(self, key: str, size: int | None = None) -> Blob:
         size = self.blob_size(key) if size is None else size
         return self.fetch_keys({key: size})[key]
 
-    def download(self, refs: Mapping[str, BlobRef]) -> dict[str, bytes]:
+    def download(self, refs: Mapping[str, BlobRef]) -> dict[str, Blob]:
         """Verified bytes of each named entry (every stored blob fetched once, in parallel; packs sliced)."""
         return slice_blobs(refs, self.fetch_keys(blob_sizes(refs.values())))
 
@@ -239,9 +250,9 @@ class WeightClient:
         data = self.fetch_keys(blob_sizes(ref for step in steps for ref in step.blobs.values()))
         return [FetchedStep(s, slice_blobs(s.blobs, data)) for s in steps]
 
-    def fetch_keys(self, sizes: Mapping[str, int]) -> dict[str, bytes]:
+    def fetch_keys(self, sizes: Mapping[str, int]) -> dict[str, Blob]:
         """Verified bytes per blob address, given each blob's size (cache first, then the sources)."""
-        out: dict[str, bytes] = {}
+        out: dict[str, Blob] = {}
         todo: dict[str, int] = {}
         for key, size in sizes.items():
             cached = self._from_cache(key, size)
@@ -253,10 +264,10 @@ class WeightClient:
             _Batch(self, todo, out).run()
         return out
 
-    def _finish(self, key: str, buf: bytearray, parts: list[_Part]) -> bytes:
+    def _finish(self, key: str, buf: np.ndarray, parts: list[_Part]) -> Blob:
         """Verify a fully received blob (refetching it if it is bad) and cache it."""
         served_by = set().union(*(p.served_by for p in parts))
-        data = self._verified(key, bytes(buf), served_by)
+        data = self._verified(key, memoryview(buf).toreadonly(), served_by)
         self._to_cache(key, data)
         return data
 
@@ -335,7 +346,7 @@ class WeightClient:
             raise _Corrupt(_error_text(body))
         raise SourceError(f"HTTP {resp.status}: {_error_text(body)}")
 
-    def _verified(self, key: str, data: bytes, served_by: Collection[str] = ()) -> bytes:
+    def _verified(self, key: str, data: Blob, served_by: Collection[str] = ()) -> Blob:
         actual = hashlib.sha256(data).hexdigest()
         if actual == key:
             return data
@@ -368,7 +379,7 @@ class WeightClient:
         self.cache.delete(f"blobs/{key}")
         return None
 
-    def _to_cache(self, key: str, data: bytes) -> None:
+    def _to_cache(self, key: str, data: Blob) -> None:
         if self.cache is not None and data:
             self.cache.put(f"blobs/{key}", data)
 
@@ -377,9 +388,10 @@ class _Batch:
     """One ``fetch_keys`` call: every part of every blob on the client's pool; the thread that completes a
     blob's last part verifies it, so hashing runs in parallel with the remaining downloads."""
 
-    def __init__(self, client: WeightClient, sizes: Mapping[str, int], out: dict[str, bytes]) -> None:
+    def __init__(self, client: WeightClient, sizes: Mapping[str, int], out: dict[str, Blob]) -> None:
         self.client, self.out = client, out
-        self.bufs = {key: bytearray(size) for key, size in sizes.items()}
+        # not zero-filled (see module invariants): every byte is received, then verified by its hash
+        self.bufs = {key: np.empty(size, np.uint8) for key, size in sizes.items()}
         self.parts = {
             key: [_Part(key, a, min(a + client.part_size, size), a) for a in range(0, size, client.part_size)]
             for key, size in sizes.items()
