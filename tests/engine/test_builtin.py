@@ -292,6 +292,34 @@ def test_stop_fails_pending_and_from_path(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
+def test_patches_leave_hf_parameters_to_the_served_bank_until_they_are_read(kind):
+    """With double buffering a patch writes the weight banks only, not the HF parameters (the forward never
+    reads them: no per-delta memory traffic for them); ``engine.model`` restores them from the served bank.
+    (A full update of one tensor after patches, which rebuilds the banks from the parameters, is covered by
+    ``test_double_buffered_patch_switches_banks_and_leaves_both_equal``.)"""
+    cfg = EngineConfig(max_batch=2, max_seq_len=32)
+    patched, full = BuiltinEngine(make(kind), cfg), BuiltinEngine(make(kind), cfg)
+    assert isinstance(patched._runner, FastRunner) and patched._runner.double_buffer
+    raw = patched._model.state_dict()  # the parameters themselves, read without restoring
+    before = {k: v.clone() for k, v in raw.items()}
+    state = {k: v.detach().reshape(-1).numpy().copy() for k, v in full.model.state_dict().items()}
+    for version in (1, 2):
+        patches = _random_patches(full, version)  # not through patched.model, which would restore
+        patched.patch_weights(version, patches)
+        for name, (idx, vals) in patches.items():
+            state[name][idx] = vals
+    assert all(torch.equal(raw[k], before[k]) for k in raw), "a patch wrote an HF parameter"
+    assert patched._runner.params_stale
+    published = {k: v.reshape(tuple(raw[k].shape)) for k, v in state.items() if k in patches}
+    full.update_weights(2, published)
+    for k, v in full.model.state_dict().items():
+        assert torch.equal(patched.model.state_dict()[k], v), k
+    assert not patched._runner.params_stale
+    assert not all(torch.equal(raw[k], before[k]) for k in raw)  # restored in place
+    _same_samples(patched, full)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
 def test_patch_weights_equals_full_update(kind):
     """Patching a few elements of every tensor (derived fused buffers and tied lm_head included) gives the
     same logits as loading the patched tensors in full; the pause path rebuilds nothing."""
@@ -350,8 +378,9 @@ def _random_patches(engine: BuiltinEngine, seed: int, frac: int = 30) -> dict:
 @pytest.mark.parametrize("double_buffer", [False, True])
 def test_plan_defers_what_the_forward_does_not_read(double_buffer):
     """In place (one bank), the fast runner reads every matrix but the embedding from derived buffers: only
-    writes to those parameters may land after the pause. Double-buffered, it reads no HF parameter at all,
-    and every served tensor has one write per bank. A transposed buffer's writes come in buffer order."""
+    writes to those parameters may land after the pause. Double-buffered, it reads no HF parameter at all: the
+    plan writes none (they are restored from the served bank when read), and every served tensor has one
+    write per bank. A transposed buffer's writes come in buffer order."""
     cfg = EngineConfig(max_batch=2, max_seq_len=32, double_buffer_weights=double_buffer)
     engine = BuiltinEngine(make("qwen3"), cfg)
     runner = engine._runner
@@ -359,10 +388,14 @@ def test_plan_defers_what_the_forward_does_not_read(double_buffer):
     for name, (idx, vals) in _random_patches(engine, 0, frac=10).items():
         param = engine._targets[name]
         writes = runner.plan_patch(param, torch.from_numpy(idx), torch.from_numpy(vals))
-        own = writes[0]
-        assert own.flat.data_ptr() == param.data_ptr() and own.bank is None
         in_place_unread = param.dim() == 2 and "embed_tokens" not in name
-        assert own.deferred == (double_buffer or in_place_unread), name
+        if double_buffer:
+            assert all(w.bank is not None and w.flat.data_ptr() != param.data_ptr() for w in writes), name
+            writes = [None, *writes]  # the banks' writes as below
+        else:
+            own = writes[0]
+            assert own.flat.data_ptr() == param.data_ptr() and own.bank is None
+            assert own.deferred == in_place_unread, name
         banks = sorted(w.bank for w in writes[1:])
         per_bank = len(banks) // (2 if double_buffer else 1)
         assert per_bank >= (1 if double_buffer or in_place_unread else 0), name
@@ -430,9 +463,10 @@ def test_sync_bank_restores_an_idle_bank_that_was_never_switched_to():
 
 
 def test_later_full_update_applies_after_an_earlier_patches_deferred_writes():
-    """If the loop applies another update before a patch's caller wrote the deferred parameter elements,
-    it writes them first: a partial full update (which rebuilds derived buffers from the parameters) then
-    sees the patched values of the tensors it does not carry."""
+    """If the loop applies another update while a patch has left the HF parameters behind the served weights
+    (double buffering: they are restored from the served bank), it restores them first: a partial full
+    update (which rebuilds derived buffers from the parameters) then sees the patched values of the tensors
+    it does not carry."""
     a = BuiltinEngine(make("qwen3"), EngineConfig(max_batch=2, max_seq_len=32))
     b = BuiltinEngine(make("qwen3"), EngineConfig(max_batch=2, max_seq_len=32))
     patches = _random_patches(a, 1)
@@ -440,7 +474,7 @@ def test_later_full_update_applies_after_an_earlier_patches_deferred_writes():
     converted = {k: (torch.from_numpy(i), torch.from_numpy(v)) for k, (i, v) in patches.items()}
     update = _Update(4, {}, converted, a._plan(converted), a._runner.generation)
     a._apply(update)
-    assert update.error is None and a._deferred, "the patch left no deferred writes to test with"
+    assert update.error is None and a._runner.params_stale, "no lagging parameters to test with"
     assert not b._deferred
     # ...then a full update of one norm; b: the same two updates through the public API.
     norm = "model.norm.weight"

@@ -135,14 +135,14 @@ class BuiltinEngine(RequestFront):
             )
         self.deterministic = deterministic
         self.config = config
-        self.model = model.to(_DTYPES[dtype]).eval()
-        for p in self.model.parameters():
+        self._model = model.to(_DTYPES[dtype]).eval()
+        for p in self._model.parameters():
             p.requires_grad_(False)
-        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.vocab_size = int(self._model.get_input_embeddings().weight.shape[0])
         self.seed = seed
         self._version = version
-        reason = fast_supported(self.model)
-        det_reason = fast_supported(self.model, deterministic=True) if deterministic else None
+        reason = fast_supported(self._model)
+        det_reason = fast_supported(self._model, deterministic=True) if deterministic else None
         if det_reason is not None:
             raise EngineError(
                 f"deterministic mode needs the built-in fast forward, which refuses this model: {det_reason}"
@@ -153,16 +153,16 @@ class BuiltinEngine(RequestFront):
             n_slots = config.max_batch + config.max_parked
             if runner_cls is FastRunner or deterministic:
                 self._runner: FastRunner | HFRunner = FastRunner(
-                    self.model,
+                    self._model,
                     n_slots,
                     config.max_seq_len,
                     deterministic=deterministic,
                     double_buffer=config.double_buffer_weights,
                 )
             else:
-                self._runner = HFRunner(self.model, n_slots, config.max_seq_len)
+                self._runner = HFRunner(self._model, n_slots, config.max_seq_len)
         self._prefix = PrefixCache(self._runner, n_slots, config.max_parked)
-        self._targets = dict(self.model.state_dict(keep_vars=True))
+        self._targets = dict(self._model.state_dict(keep_vars=True))
         warm_apply_writes({t.dtype for t in self._targets.values()})
         self._work = threading.Lock()  # held while the model or the cache is used
         self._deferred: list[Callable[[], None]] = []  # work updates left for after their pause, in order
@@ -193,6 +193,17 @@ class BuiltinEngine(RequestFront):
         return cls(model, config, dtype=dtype, seed=seed, deterministic=deterministic)
 
     # ---- public API ------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """The HF model whose parameters hold the weights served now (patches leave some of them to be
+        restored from the served bank: ``FastRunner``; that happens here, on access, so read parameters
+        through a fresh ``engine.model`` after an update)."""
+        with self._write_lock:
+            self._flush_deferred()
+            if isinstance(self._runner, FastRunner) and self._runner.params_stale:
+                self._runner.restore_params()
+        return self._model
 
     @property
     def version(self) -> int:
@@ -332,6 +343,12 @@ class BuiltinEngine(RequestFront):
         self._write_lock.acquire()
         try:
             self._flush_deferred()  # an earlier patch's late writes first: refresh() reads the parameters
+            runner = self._runner
+            if u.tensors and isinstance(runner, FastRunner) and runner.params_stale:
+                if {id(self._targets[n]) for n in u.tensors} >= runner.restorable_ids():
+                    runner.params_stale = False  # every lagging parameter is overwritten below
+                else:
+                    runner.restore_params()
             with torch.no_grad():
                 for name, t in u.tensors.items():
                     self._targets[name].copy_(t)
@@ -344,12 +361,15 @@ class BuiltinEngine(RequestFront):
             if u.patches and u.swap_to is not None and u.generation == self._runner.generation:
                 assert isinstance(self._runner, FastRunner)
                 self._runner.activate(u.swap_to)  # the caller wrote this bank; the other one follows
+                self._runner.params_stale = True  # the plan left the HF parameters out (restore_params)
                 rest = [w for w in u.writes if w.bank != u.swap_to]
                 self._deferred.append(functools.partial(apply_writes, rest))
             elif u.patches:
                 writes = u.writes
                 if u.generation != self._runner.generation:
                     writes = self._plan(u.patches)
+                if isinstance(self._runner, FastRunner) and self._runner.double_buffer:
+                    self._runner.params_stale = True  # as above
                 served = [w for w in writes if not w.deferred]
                 with torch.inference_mode():  # the served buffers are inference tensors
                     apply_writes(served)

@@ -23,6 +23,12 @@ Invariants:
   The forward never reads a matrix parameter other than the embedding (dense models): a plan marks the
   writes to those parameters ``deferred`` (they may land after the engine's pause), and lists the writes to
   a transposed buffer in buffer order.
+- With ``double_buffer`` the banks hold a copy of every parameter the forward uses, so a plan leaves out
+  the writes to the HF parameters themselves (each such write touches ~40% of a copy's cache lines at RL
+  densities, memory traffic a serving engine on the same host pays for: README, Weight sync); the owner
+  sets ``params_stale`` once it serves a patched bank, and ``restore_params()`` copies the served bank back
+  into the parameters before anything reads them (``refresh`` refuses to run on stale parameters; the
+  engine restores them for its ``model`` and before a full update).
 - Active sessions occupy slots ``0..n-1`` (the engine compacts with ``move``), so a decode step works on
   views of the cache and never gathers it. ``lens[s]`` is the number of tokens cached in slot ``s``.
 - ``prefill(first, prompts, starts)`` fills slot ``first+j`` from position ``starts[j]`` (0 by default): the
@@ -110,6 +116,8 @@ class FastRunner:
             raise ValueError("FastRunner serves mixture-of-experts models in deterministic mode only")
         # Two banks of served weights (dense models): patches go to the idle one, activate() switches.
         self.double_buffer = double_buffer and not self.moe_layers
+        self.params_stale = False  # the HF parameters lag the served bank (module invariants)
+        self._param_of: dict[int, torch.Tensor] = {}  # id -> each parameter with derived buffers
         self.active = 0
         dense = [layer for layer in self.layers if not det.is_moe_layer(layer)]
         self.inter = dense[0].mlp.gate_proj.weight.shape[0] if dense else 0
@@ -136,7 +144,7 @@ class FastRunner:
         self.refresh()
 
     def refresh(self, both_banks: bool = True) -> None:
-        """Rebuild the served weights (every bank) from the HF parameters.
+        """Rebuild the served weights (every bank) from the HF parameters (refused while ``params_stale``).
 
         Derived: per layer the fused q/k/v and gate/up matrices, and every matrix (lm_head too) transposed
         and contiguous, because ``x @ W_t`` is ~1.5x faster than ``F.linear(x, W)`` for the few-row inputs of
@@ -145,6 +153,8 @@ class FastRunner:
         norms (a single bank reads those from the HF parameters by reference); both start equal.
         ``both_banks=False`` builds only the first (served) bank; ``add_second_bank`` then copies it.
         """
+        if self.params_stale:
+            raise RuntimeError("the HF parameters lag the served bank: restore_params() before refresh()")
         self.generation = getattr(self, "generation", 0) + 1
         with torch.inference_mode():
             first = self._build_bank(private=self.double_buffer)
@@ -235,6 +245,7 @@ class FastRunner:
 
         def add(param: torch.Tensor, buf: torch.Tensor, off: int, bank: int, layout: str) -> None:
             out.setdefault(id(param), []).append((buf, off, bank, layout))
+            self._param_of[id(param)] = param
 
         def place(mods: tuple[torch.nn.Module, ...], wt: torch.Tensor, bs: torch.Tensor | None, bank: int):
             off = 0
@@ -269,6 +280,34 @@ class FastRunner:
                 add(self.hf_norm, b["norm_w"], 0, bank, "same")
         return out
 
+    def _restorable(self, derived: Any) -> bool:
+        """Whether a parameter with these derived buffers is left out of patches (module invariants): double
+        buffering, and a copy in every bank that ``restore_params`` can invert."""
+        return self.double_buffer and all(
+            any(bank == b and layout in ("same", "t") for _, _, bank, layout in derived)
+            for b in range(len(self._banks))
+        )
+
+    def restorable_ids(self) -> set[int]:
+        """``id`` of every parameter patches leave out (see ``_restorable``)."""
+        return {pid for pid, derived in self._derived.items() if self._restorable(derived)}
+
+    def restore_params(self) -> None:
+        """Copy the served bank back into every HF parameter that patches leave out (the inverse of the bank
+        layouts; call with the weights not being written). Clears ``params_stale``."""
+        with torch.inference_mode():
+            for pid, derived in self._derived.items():
+                if not self._restorable(derived):
+                    continue
+                param = self._param_of[pid]
+                mine = [(buf, off, layout) for buf, off, bank, layout in derived if bank == self.active]
+                buf, off, layout = min(mine, key=lambda x: x[2] != "same")  # a plain copy when there is one
+                if layout == "same" or param.dim() == 1:
+                    param.view(-1).copy_(buf.view(-1)[off : off + param.numel()])
+                else:  # W[o, i] == buf[i, off + o]
+                    param.copy_(buf[:, off : off + param.shape[0]].t())
+        self.params_stale = False
+
     def plan_patch(self, param: torch.Tensor, flat_index: torch.Tensor, values: torch.Tensor) -> list[Write]:
         """The element writes that set ``param.view(-1)[flat_index] = values`` in the parameter and in every
         served buffer built from it, in every bank. Planning does the index arithmetic; applying
@@ -281,6 +320,8 @@ class FastRunner:
             bool(derived) and param.dim() == 2 and param is not self.hf_embed and not self.moe_layers
         )
         writes = [Write(param.view(-1), flat_index, values, deferred=unread)]
+        if self._restorable(derived):
+            writes = []  # the parameter itself is restored from the served bank when read
         planned: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # banks share layouts
         for buf, off, bank, layout in derived:
             key = (layout, off, buf.shape[-1])
