@@ -291,14 +291,15 @@ def test_stop_fails_pending_and_from_path(tmp_path):
     assert len(out.token_ids) == 4 and isinstance(loaded._runner, FastRunner)
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
-def test_patches_leave_hf_parameters_to_the_served_bank_until_they_are_read(kind):
+@pytest.mark.parametrize("kind,deterministic", [("qwen3", False), ("qwen2", False), ("qwen3", True)])
+def test_patches_leave_hf_parameters_to_the_served_bank_until_they_are_read(kind, deterministic):
     """With double buffering a patch writes the weight banks only, not the HF parameters (the forward never
     reads them: no per-delta memory traffic for them); ``engine.model`` restores them from the served bank.
     (A full update of one tensor after patches, which rebuilds the banks from the parameters, is covered by
     ``test_double_buffered_patch_switches_banks_and_leaves_both_equal``.)"""
     cfg = EngineConfig(max_batch=2, max_seq_len=32)
-    patched, full = BuiltinEngine(make(kind), cfg), BuiltinEngine(make(kind), cfg)
+    patched = BuiltinEngine(make(kind), cfg, deterministic=deterministic)
+    full = BuiltinEngine(make(kind), cfg, deterministic=deterministic)
     assert isinstance(patched._runner, FastRunner) and patched._runner.double_buffer
     raw = patched._model.state_dict()  # the parameters themselves, read without restoring
     before = {k: v.clone() for k, v in raw.items()}
