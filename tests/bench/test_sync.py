@@ -25,6 +25,8 @@ def test_bench_sync_prints_its_json_and_the_delta_is_far_smaller():
     assert 0 < out["density"] < 0.5
     assert 0 < out["delta_bytes"] * 10 < out["full_bytes"] < out["raw_bytes"]
     assert out["pause_ms"] > 0 and out["full_reload_ms"] > 0 and out["tokens_per_s_quiet"] > 0
+    assert out["share_mb"] * 2**20 >= out["raw_bytes"]  # the host's shadow lives in the share
+    assert out["engines_rss_anon_mb"] > 0
     assert out["trainer_side_nice"] >= out["engine_nice"]  # the publisher runs as niced as the actors
     parts = out["breakdown"]
     engine_parts = {"engine_fetch_s", "engine_decode_s", "engine_pause_s", "engine_total_s"}

@@ -209,11 +209,16 @@ def _assert_serves(engine, published):
         assert torch.equal(state[name], torch.from_numpy(bits).view(torch.bfloat16).float()), name
 
 
-def test_engines_of_a_host_share_one_decode_per_delta_and_never_apply_a_bad_patch(served, tmp_path):
-    """Three engines follow one store through a host share: per delta one downloads and decodes it, the
-    others apply its verified patch (nothing downloaded); a lagging engine applies a chain of patches; a
-    corrupt patch file is never applied (the engine follows the store itself); every engine ends on exactly
-    the published bits."""
+def test_engines_of_a_host_share_one_decode_and_one_shadow_per_delta_and_never_apply_a_bad_patch(
+    served, tmp_path
+):
+    """Three engines follow one store through a host share: the first load is downloaded once and the
+    others reload from the host's one verified shadow; per delta one engine downloads, decodes and advances
+    that shadow, the others apply its verified patch (nothing downloaded, no shadow of their own); a lagging
+    engine applies a chain of patches composed into one; a corrupt patch file is never applied (the engine
+    patches the positions the store's delta changes from the verified shadow instead); every engine ends on
+    exactly the published bits."""
+    from tandem.weights.hostshadow import HostShadow
     from tandem.weights.hostshare import HostShare
 
     store, server = served
@@ -223,30 +228,42 @@ def test_engines_of_a_host_share_one_decode_per_delta_and_never_apply_a_bad_patc
     engines = [BuiltinEngine(_model(), EngineConfig(max_batch=2, max_seq_len=64)) for _ in range(3)]
     syncs = [EngineWeightSync(e, server.url, share=share) for e in engines]
     g = torch.Generator().manual_seed(3)
+
+    def host_shadow_is(version: int) -> None:
+        with share.lock():
+            at, tensors = HostShadow(share.path).load()
+        assert at == version
+        for name, bits in _bf16_state(trainer_model).items():
+            np.testing.assert_array_equal(tensors[name].view(np.uint16), bits.view(np.uint16))
+        assert len(list(share.path.glob("shadow-*.bin"))) == 1
+        assert all(s.follower.shadow is None for s in syncs)  # no engine keeps a shadow of its own
+
     try:
         publisher.publish(0, _bf16_state(trainer_model))
-        assert all(s.sync(0)["full"] for s in syncs)  # full reloads are never shared
-        assert not list(share.path.glob("*.patch"))
+        first = [s.sync(0) for s in syncs]
+        assert all(r["full"] for r in first)
+        assert (
+            first[0]["downloaded_bytes"] > 0
+            and first[1]["downloaded_bytes"] == first[2]["downloaded_bytes"] == 0
+        )
+        assert not list(share.path.glob("*.patch"))  # a full load writes no patch
         assert not any(e._deferred for e in engines)  # a full sync's late writes (second bank) are done
+        host_shadow_is(0)
         for version in (1, 2):
             _step(trainer_model, g)
             publisher.publish(version, _bf16_state(trainer_model))
             lead, *rest = [syncs[0].sync(version), syncs[1].sync(version)]
-            assert lead["shared_steps"] == 0 and lead["downloaded_bytes"] > 0
-            assert rest[0]["shared_steps"] == 1 and rest[0]["downloaded_bytes"] == 0
+            assert lead["shared_steps"] == 0 and lead["downloaded_bytes"] > 0 and not lead["full"]
+            assert rest[0]["shared_steps"] == 1 and rest[0]["downloaded_bytes"] == 0 and not rest[0]["full"]
             assert rest[0]["patched_elements"] == lead["patched_elements"] > 0
             _assert_serves(engines[1], _bf16_state(trainer_model))
-            # the shared step reached the shadow too (after the engine's pause), bit for bit
-            assert syncs[1].follower.version == version
-            assert syncs[1].follower.check_patch(version, version + 1, {}) is True
-            mine = syncs[1].follower.shadow
-            for name, t in syncs[0].follower.shadow.items():
-                np.testing.assert_array_equal(mine[name].view(np.uint16), t.view(np.uint16))
-        # The third engine is two versions behind: it applies the chain 0 -> 1 -> 2 from the share.
+            host_shadow_is(version)
+        # The third engine is two versions behind: it applies the chain 0 -> 1 -> 2 from the share at once.
         lag = syncs[2].sync(2)
-        assert lag["shared_steps"] == 2 and lag["downloaded_bytes"] == 0
+        assert lag["shared_steps"] == 2 and lag["downloaded_bytes"] == 0 and not lag["full"]
         _assert_serves(engines[2], _bf16_state(trainer_model))
-        # A corrupt patch (one flipped byte) is not applied: the reader follows the store itself.
+        # A corrupt patch (one flipped byte) is not applied: the shadow is past the reader, so the reader
+        # patches the elements the store's delta 2 -> 3 changes with the shadow's values (no full reload).
         _step(trainer_model, g)
         publisher.publish(3, _bf16_state(trainer_model))
         syncs[0].sync(3)
@@ -256,18 +273,76 @@ def test_engines_of_a_host_share_one_decode_per_delta_and_never_apply_a_bad_patc
         path.write_bytes(bytes(data))
         assert share.read(2, 3) is None
         out = syncs[1].sync(3)
-        assert out["shared_steps"] == 0 and out["downloaded_bytes"] > 0 and not out["recovered"]
+        assert out["shared_steps"] == 0 and not out["full"] and out["downloaded_bytes"] > 0
+        assert 0 < out["patched_elements"] < sum(t.size for t in _bf16_state(trainer_model).values())
         for e in engines[:2]:
             _assert_serves(e, _bf16_state(trainer_model))
-        # The reader that followed the store rewrote an intact patch; the writer keeps the newest `keep`.
-        assert share.read(2, 3) is not None
-        assert len(list(share.path.glob("*.patch"))) <= 4
+        host_shadow_is(3)
+        assert len(list(share.path.glob("*.patch"))) <= 4  # the writer keeps the newest `keep`
         assert all(s.recoveries == 0 for s in syncs)
     finally:
         for s in syncs:
             s.close()
     with pytest.raises(ValueError, match="keep=0"):
         HostShare(tmp_path / "other", keep=0)
+
+
+def _two_engines_sharing(served, tmp_path):
+    """A trainer model, its publisher, a host share, and two engines following the store through it."""
+    from tandem.weights.hostshare import HostShare
+
+    store, server = served
+    share = HostShare(tmp_path / "share")
+    engines = [BuiltinEngine(_model(), EngineConfig(max_batch=2, max_seq_len=64)) for _ in range(2)]
+    syncs = [EngineWeightSync(e, server.url, share=share) for e in engines]
+    return _model(), WeightPublisher(store, keep_versions=10), share, engines, syncs
+
+
+def test_a_damaged_or_unfinished_host_shadow_is_recovered_from_a_snapshot_never_served(served, tmp_path):
+    """The host shadow is the base every engine's patch is decoded against. Flipped bits in it fail the next
+    delta's verification (the leader recovers from the snapshot, counts it, and reloads the verified
+    weights; the other engine patches from them); a leader that died while updating it (state left dirty)
+    leaves no shadow, so the next one recovers too. Engines only ever serve the published bits."""
+    import json
+
+    from tandem.weights.hostshadow import HostShadow
+
+    trainer_model, publisher, share, engines, syncs = _two_engines_sharing(served, tmp_path)
+    g = torch.Generator().manual_seed(11)
+    try:
+        publisher.publish(0, _bf16_state(trainer_model))
+        for s in syncs:
+            s.sync(0)
+        # Flip bits of the shadow the way a stray write would (its state still says "verified").
+        with share.lock():
+            _, tensors = HostShadow(share.path).load()
+            next(iter(tensors.values())).reshape(-1)[:8] ^= 0x5A5A
+        _step(trainer_model, g)
+        publisher.publish(1, _bf16_state(trainer_model))
+        out = syncs[0].sync(1)
+        assert out["recovered"] and out["full"] and syncs[0].recoveries == 1
+        _assert_serves(engines[0], _bf16_state(trainer_model))
+        # No patch leads from 0 (the leader recovered): the reader patches what the store's delta 0 -> 1
+        # changes with the recovered shadow's values.
+        out = syncs[1].sync(1)
+        assert not out["full"] and out["shared_steps"] == 0 and out["downloaded_bytes"] > 0
+        _assert_serves(engines[1], _bf16_state(trainer_model))
+        # A leader that died mid-update leaves the state dirty: no shadow until the next one recovers.
+        state_path = share.path / "shadow.json"
+        state = json.loads(state_path.read_text())
+        state_path.write_text(json.dumps({**state, "dirty": True}))
+        with share.lock():
+            assert HostShadow(share.path).load() == (None, None)
+        _step(trainer_model, g)
+        publisher.publish(2, _bf16_state(trainer_model))
+        out = syncs[1].sync(2)
+        assert out["full"] and out["downloaded_bytes"] > 0
+        _assert_serves(engines[1], _bf16_state(trainer_model))
+        with share.lock():
+            assert HostShadow(share.path).load()[0] == 2
+    finally:
+        for s in syncs:
+            s.close()
 
 
 def test_engines_read_a_written_patch_while_another_holds_the_share_lock(served, tmp_path):
@@ -278,14 +353,7 @@ def test_engines_read_a_written_patch_while_another_holds_the_share_lock(served,
     from concurrent.futures import ThreadPoolExecutor
     from concurrent.futures import TimeoutError as FutureTimeout
 
-    from tandem.weights.hostshare import HostShare
-
-    store, server = served
-    trainer_model = _model()
-    publisher = WeightPublisher(store, keep_versions=10)
-    share = HostShare(tmp_path / "share")
-    engines = [BuiltinEngine(_model(), EngineConfig(max_batch=2, max_seq_len=64)) for _ in range(2)]
-    syncs = [EngineWeightSync(e, server.url, share=share) for e in engines]
+    trainer_model, publisher, share, engines, syncs = _two_engines_sharing(served, tmp_path)
     held, release = threading.Event(), threading.Event()
 
     def hold_lock() -> None:

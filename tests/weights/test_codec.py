@@ -301,3 +301,39 @@ def test_prepared_patch_writes_only_changed_elements():
     assert live.tobytes() == cur.tobytes()
     assert np.array_equal(written, np.flatnonzero(prev != cur))
     assert MODE_NAMES[mode_of(blob)] == "sparse"
+
+
+def test_changed_positions_are_decoded_without_the_base_in_every_mode():
+    """``changed_positions`` lists exactly the elements a blob changes, for every mode, from the blob
+    alone (an engine that has no base at hand uses it to patch from a verified copy); a blob whose
+    streams do not decode is refused naming the tensor."""
+    from tandem.weights.decoder import changed_positions
+
+    rng = np.random.default_rng(7)
+    cases = [
+        adam_like(300_000, 2e-6, "bf16"),
+        adam_like(200_003, 1e-4, "bf16"),
+        adam_like(100_001, 3e-6, "float32"),
+    ]
+    # A sparse chunk beside a dense one (the quad mode needs every chunk dense): the per-element dense mode.
+    size = 1 << CHUNK_LOG2
+    a = rng.integers(0x3C00, 0x3F00, 2 * size, dtype=np.uint16)
+    hit = rng.random(2 * size) < np.r_[np.full(size, 0.15), np.full(size, 0.95)]
+    b = (a.astype(np.int64) + rng.integers(-3, 4, 2 * size) * hit).astype(np.uint16)
+    cases += [(a, b), (a, a)]
+    modes = set()
+    for prev, cur in cases:
+        blob = encode_tensor(prev, cur)
+        modes.add(mode_of(blob))
+        np.testing.assert_array_equal(changed_positions(blob, "w"), np.flatnonzero(prev != cur))
+    assert {SPARSE, QUAD, DENSE, IDENT} <= modes, [MODE_NAMES[m] for m in modes]
+    assert (
+        changed_positions(encode_tensor(*[rng.integers(0, 2**16, 5000, dtype=np.uint16) for _ in "ab"]))
+        is None
+    )
+    prev, cur = cases[0]
+    bad = bytearray(encode_tensor(prev, cur))
+    bad[40] ^= 0x10  # behind a valid checksum: the streams no longer end where the encoder left them
+    bad[-4:] = zlib.crc32(bad[:-4]).to_bytes(4, "little")
+    with pytest.raises(CorruptDeltaError, match="'w'"):
+        changed_positions(bytes(bad), "w")

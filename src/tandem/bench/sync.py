@@ -39,6 +39,9 @@ its verified patch; ``shared_syncs_frac`` is the fraction of engine syncs served
 
 5. ``tokens_per_s_during_sync_ratio``: engine 0 decodes a steady load throughout; its tokens/s while delta
    syncs are in flight divided by its tokens/s in a quiet window of the same length right after them.
+6. Host memory after the delta syncs: ``engines_rss_anon_mb``, the engine processes' private memory summed
+   (``RssAnon``: their weights, KV caches, any shadow of their own), and ``share_mb``, the host share's
+   files (patches and, with a host share, the host's one shadow; ``/dev/shm`` is memory).
 """
 
 from __future__ import annotations
@@ -85,6 +88,13 @@ class _BenchEngine:
 
     def sync(self, version: int) -> dict[str, Any]:
         return self.sync_obj.sync(version)
+
+    def anon_mb(self) -> float:
+        """This process's private anonymous resident memory (``RssAnon``: not files, not shared memory)."""
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
 
     def nice(self) -> int:
         """This engine process's nice value (Ray starts its workers niced, e.g. 15)."""
@@ -235,6 +245,10 @@ def run_sync_bench(
         time.sleep(max(busy, 1.0))
         q1 = ray.get(eng[0].tokens.remote())
         ray.get(eng[0].stop_load.remote())
+        anon_mb = sum(ray.get([e.anon_mb.remote() for e in eng]))
+        share_mb = (
+            sum(f.stat().st_size for f in Path(share).iterdir() if f.is_file()) / 2**20 if share else 0.0
+        )
         quiet_rate = (q1[1] - q0[1]) / max(q1[0] - q0[0], 1e-9)
         during_rate = tokens_during / max(busy, 1e-9)
 
@@ -280,6 +294,8 @@ def run_sync_bench(
             "tokens_per_s_quiet": round(quiet_rate, 1),
             "tokens_per_s_during_sync": round(during_rate, 1),
             "tokens_per_s_during_sync_ratio": round(during_rate / max(quiet_rate, 1e-9), 3),
+            "engines_rss_anon_mb": round(anon_mb, 1),
+            "share_mb": round(share_mb, 1),
             "trainer_side_nice": os.getpriority(os.PRIO_PROCESS, 0),
             "engine_nice": trainer_nice,
         }

@@ -8,33 +8,37 @@ Invariants:
   threads it starts, run ``nice`` levels below the process (Linux thread niceness) as far as the kernel
   allows (see ``lower_priority_plan``: in a process that already runs niced, such as a Ray actor at nice 15,
   they run ``SCHED_IDLE``), so on a busy machine serving keeps the CPU and a store sync takes what is left.
-- The rest of a sync (applying a host-share patch: read, check, the engine's patch plan and idle-bank
-  writes; the shadow write of a shared step; the writes a built-in engine leaves for after its pause, its
-  other weight bank and its parameters, done once the engine serves the new version and before ``sync``
-  returns, after a full reload too) runs on a thread whose priority depends on the engine at the start of
-  the sync. An engine with sessions running (``health()["active"]``) runs it at the process's priority:
-  that work is short (about 30 ms of CPU per sync on a 100M model) and holds the GIL for much of it, and a
-  GIL holder the kernel starves (a ``SCHED_IDLE`` thread behind busy neighbours) stalls the engine's own
-  decode loop, which needs the GIL between its torch calls: a priority inversion. An idle engine has no
-  loop to stall, so it runs that work ``nice`` levels down and leaves the CPU to the engines that serve.
-  Measured (README, Weight sync): a loaded engine applying patches beside two busy processes decoded at
-  0.84-0.85 of its quiet rate with its after-pause writes at ``SCHED_IDLE`` and 0.94-1.02 with them at the
-  process's priority; running every engine's patch work at the process's priority instead took CPU from
-  the serving engine (0.80-0.81 in ``tandem bench sync``). The pause itself runs on the engine's loop
-  thread.
+- The rest of a sync (applying a host-share patch: read, check, the engine's patch plan and idle-bank writes;
+  the writes a built-in engine leaves for after its pause, its other weight bank, done once the engine serves
+  the new version and before ``sync`` returns, after a full reload too) runs on a thread whose priority
+  depends on the engine at the start of the sync. An engine with sessions running (``health()["active"]``)
+  runs it at the process's priority: that work is short (about 30 ms of CPU per sync on a 100M model) and
+  holds the GIL for much of it, and a GIL holder the kernel starves (a ``SCHED_IDLE`` thread behind busy
+  neighbours) stalls the engine's own decode loop, which needs the GIL between its torch calls: a priority
+  inversion. An idle engine has no loop to stall, so it runs that work ``nice`` levels down and leaves the CPU
+  to the engines that serve. Measured (README, Weight sync): a loaded engine applying patches beside two busy
+  processes decoded at 0.84-0.85 of its quiet rate with its after-pause writes at ``SCHED_IDLE`` and 0.94-1.02
+  with them at the process's priority; running every engine's patch work at the process's priority instead
+  took CPU from the serving engine (0.80-0.81 in ``tandem bench sync``). The pause itself runs on the engine's
+  loop thread.
 - The engine is only ever given weights the follower verified against the store's recorded hash
   (``tandem.weights.follow``); if verification and the snapshot recovery both fail, the engine keeps its
   current version and the error propagates.
-- With a host share (``tandem.weights.hostshare``), an engine at version ``a`` first applies the verified
-  patches ``a -> b`` other engines of its host wrote (read without a lock, in parallel with the others;
-  when a single patch reaches the target, the engine is patched first and the shadow follows after the
-  pause, before ``sync`` returns, so the shadow never lags once ``sync`` is done);
-  only when the next one is missing does it take the share's lock, look again, and, when still missing,
-  advance from the store itself and write its verified patch for the others, whom the lock holds back
-  meanwhile. An engine with sessions running first waits up to ``lead_yield_ms`` for another engine of the
-  host to write that patch (producing it runs Python beside the decode loop, which takes the GIL from the
-  loop), so an idle engine leads when there is one; after the wait it takes the lock as above, so a host of
-  busy engines still advances. Full reloads are never shared.
+- With a host share (``tandem.weights.hostshare``) the host keeps one shadow (``tandem.weights.hostshadow``),
+  used only under the share's lock, and no engine keeps its own. An engine at version ``a`` first reads the
+  verified patches ``a -> b`` other engines of its host wrote (without a lock, in parallel with the others)
+  and composes them into one engine patch; only when the next one is missing does it take the share's lock,
+  look again, and, when still missing, *lead*: advance the host shadow from the store itself (on the store
+  thread), write that step's verified patch for the others, whom the lock holds back meanwhile, and patch
+  itself from it. When the host shadow is past the engine's version and no patch leads from ``a`` (gone, or
+  failing its digest), the engine's patch is the elements the store's deltas ``a -> ...`` change (their
+  positions decode without a base: ``changed_positions``) with the verified shadow's values. Only when that
+  cannot be done (the engine's first sync, a shadow that had to be recovered from a snapshot, a snapshot on
+  the store's path from ``a``) does the engine reload in full from the verified shadow, under the lock,
+  downloading nothing for it. An engine with sessions running first waits up to ``lead_yield_ms`` for another
+  engine of the host to write that patch (producing it runs Python beside the decode loop, which takes the GIL
+  from the loop), so an idle engine leads when there is one; after the wait it takes the lock as above, so a
+  host of busy engines still advances.
 - Published tensors omit tied duplicates (``lm_head`` tied to the embeddings): patching the published name
   patches the shared storage and every derived buffer built from it.
 """
@@ -47,6 +51,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,9 +59,12 @@ import numpy as np
 from tandem.core.errors import TandemError
 from tandem.engine.builtin import BuiltinEngine
 from tandem.weights.client import WeightClient
+from tandem.weights.decoder import changed_positions
 from tandem.weights.delta import warm_kernels
 from tandem.weights.follow import Advance, WeightFollower
+from tandem.weights.hostshadow import HostShadow
 from tandem.weights.hostshare import HostShare, Patches
+from tandem.weights.manifest import FULL
 
 
 class EngineWeightSync:
@@ -79,6 +87,8 @@ class EngineWeightSync:
         self.lead_yield_s = lead_yield_ms / 1000
         self.engine = engine
         self.share = HostShare(share) if isinstance(share, str) else share
+        self.host_shadow = HostShadow(self.share.path) if self.share is not None else None
+        self._version: int | None = None  # the verified version the engine serves (None before a sync)
         self.follower = WeightFollower(WeightClient(urls, parallel=connections), threads=threads)
         self._lock = threading.Lock()  # one sync at a time; a later call catches up to its own target
         # Where a sync runs (see module invariants): a serving engine's on a thread at the process's
@@ -107,72 +117,107 @@ class EngineWeightSync:
         serving = self._serving()
         return (self._worker if serving else self._idle_worker).submit(self._sync, target, serving).result()
 
-    def _advance(self, target: int | None) -> tuple[Advance, Patches | None, tuple[int, int] | None]:
-        """Advance the follower to ``target``: through the host share's patches as far as they reach, then
-        from the store (see module invariants). Also returns the engine patch when it is already at hand
-        (one shared step, or the patch this engine wrote for the others), so it is not gathered twice, and,
-        when that one shared step ``(a, b)`` reaches ``target`` directly, leaves it for the caller to apply
-        to the shadow after the engine's pause (the shadow is then still at ``a``)."""
-        start = self.follower.version
-        if self.share is None or start is None or self.follower.shadow is None:
-            return self._from_store(target), None, None
+    def _advance_shared(self, target: int | None) -> _Step:
+        """Bring the engine's next state to ``target`` through the host share (see module invariants): the
+        patches other engines wrote, read without a lock and composed into one engine patch; where the next
+        one is missing, under the share's lock, :meth:`_lead`."""
+        assert self.share is not None
         if target is None:
             target = self.follower.latest()
             if target is None:
                 raise TandemError("the weight store has no published version yet")
         steps: list[Patches] = []
-        read_s = 0.0
-        adv: Advance | None = None
-        written: Patches | None = None
+        at = self._version
         looked_again: set[int] = set()
         yielded = False
-        while adv is None:
+        read_s = 0.0
+        while True:
             t0 = time.perf_counter()
-            while (a := self.follower.version) is not None and a < target:  # no lock: see hostshare
-                got = self.share.read(a, target)
+            while at is not None and at < target:  # no lock: see hostshare
+                got = self.share.read(at, target)
                 if got is None:
                     break
-                b, step = got
-                if b == target and not steps and self.follower.check_patch(a, b, step):
-                    self.stats["shared_read_s_total"] += time.perf_counter() - t0
-                    return Advance(target, False, {}), step, (a, b)
-                self.follower.apply_patch(a, b, step)
-                self.stats["shared_patches"] += 1
+                at, step = got
                 steps.append(step)
             read_s += time.perf_counter() - t0
-            mid = self.follower.version
-            if mid == target:
-                break
-            if mid is not None and not yielded and self._serving():
+            if at == target:
+                self.stats["shared_read_s_total"] += read_s
+                self.stats["shared_patches"] += len(steps)
+                return _Step(target, compose_patches(steps), shared=len(steps))
+            if at is not None and not yielded and self._serving():
                 yielded = True  # once per sync: let an idle engine of the host lead (see lead_yield_ms)
-                if self._wait_for_share(mid, target):
+                if self._wait_for_share(at, target):
                     self.stats["lead_yields"] += 1
                     continue
             with self.share.lock():
                 # The leader of this step may have written its patch while this engine waited for the lock:
                 # read it outside the lock, so the waiting engines read in parallel (once per version: a
-                # patch that then fails its digest is rebuilt from the store below).
-                if mid is not None and mid not in looked_again and self.share.find(mid, target) is not None:
-                    looked_again.add(mid)
+                # patch that then fails its digest is rebuilt below).
+                if at is not None and at not in looked_again and self.share.find(at, target) is not None:
+                    looked_again.add(at)
                     continue
-                adv = self._from_store(target)
-                if not adv.full and mid is not None and self.follower.shadow is not None:
-                    written = _patches(adv.changes, self.follower.shadow)
-                    self.share.write(mid, target, written)
-        self.stats["shared_read_s_total"] += read_s
-        shared: dict[str, np.ndarray | None] = {}
-        for step in steps:
-            for name, (index, _) in step.items():
-                shared[name] = _union(shared[name], index) if name in shared else index
-        if adv is None:
-            return Advance(target, False, shared), steps[0] if len(steps) == 1 else None, None
-        if adv.full:
-            return adv, None, None
-        if not shared:
-            return adv, written, None
-        for name, idx in shared.items():  # what the share moved before the store took over
-            adv.changes[name] = _union(adv.changes[name], idx) if name in adv.changes else idx
-        return adv, None, None
+                self.stats["shared_read_s_total"] += read_s
+                self.stats["shared_patches"] += len(steps)
+                return self._lead(at, target, steps)
+
+    def _lead(self, at: int | None, target: int, steps: list[Patches]) -> _Step:
+        """Under the share's lock: advance the host shadow to ``target`` from the store (on the store
+        thread), write its patch for the other engines, and return this engine's step from ``at`` (its
+        share patches ``steps`` plus that patch). When the shadow was not at ``at`` (another engine took it
+        elsewhere, or there was none) no patch leads from ``at``: the engine reloads in full from the
+        verified shadow, here, under the lock (nothing is downloaded for it)."""
+        assert self.host_shadow is not None and self.share is not None
+        base, tensors = self.host_shadow.load()
+        if base is not None and base > target:
+            target = base  # never move the host's shadow back: the engine takes the newer verified version
+        self.follower.shadow, self.follower.version = tensors, base
+        self.host_shadow.begin()
+        try:
+            adv = self._from_store(target)
+            assert self.follower.shadow is not None and self.follower.version == target
+            tensors = self.host_shadow.commit(target, self.follower.shadow)
+        except BaseException:
+            self.host_shadow.drop()
+            raise
+        finally:
+            self.follower.shadow, self.follower.version = None, None  # the shadow is only used under the lock
+        if not adv.full and base is not None and base < target:
+            written = _patches(adv.changes, tensors)
+            self.share.write(base, target, written)
+            if base == at:
+                return _Step(target, compose_patches([*steps, written]), adv=adv, shared=len(steps))
+        if not adv.full and at is not None and base is not None and at < base:
+            # The shadow is past the engine and no patch leads from ``at``: which elements changed from
+            # ``at`` to ``base`` is in the store's deltas (positions need no base), their values are the
+            # verified shadow's, so the engine still pauses only for a patch.
+            moved = self._store.submit(self._store_positions, at, base, adv).result()
+            if moved is not None:
+                for name, idx in adv.changes.items():  # base -> target, advanced above
+                    moved[name] = _union(moved[name], idx) if name in moved else idx
+                patch = _patches(moved, tensors)
+                return _Step(target, compose_patches([*steps, patch]), adv=adv, shared=len(steps))
+        pause = self.engine.update_weights(target, tensors)
+        elements = sum(int(t.size) for t in tensors.values())
+        return _Step(target, None, adv=adv, full_pause=pause, live_at=time.time(), elements=elements)
+
+    def _store_positions(self, a: int, b: int, adv: Advance) -> dict[str, np.ndarray | None] | None:
+        """The elements the store's delta chain ``a -> b`` changes, per tensor (None: all of it), decoded
+        from the deltas alone; None when there is no such chain (versions gone, a snapshot on the way, a
+        blob that does not decode). What it downloads is counted in ``adv``."""
+        try:
+            fetched = self.follower.client.fetch(a, b)
+            if any(f.step.kind == FULL for f in fetched):
+                return None
+            moved: dict[str, np.ndarray | None] = {}
+            for f in fetched:
+                adv.downloaded_bytes += sum(len(blob) for blob in f.blobs.values())
+                for name, blob in f.blobs.items():
+                    idx = changed_positions(blob, name)
+                    if idx is None or idx.size:
+                        moved[name] = _union(moved[name], idx) if name in moved else idx
+            return moved
+        except (TandemError, ValueError, OSError):
+            return None
 
     def _from_store(self, target: int | None) -> Advance:
         """Advance the follower from the store, on the lower-priority store thread."""
@@ -201,37 +246,36 @@ class EngineWeightSync:
 
     def _sync(self, target: int | None, serving: bool = False) -> dict[str, Any]:
         with self._lock:
-            if target is not None and self.engine.version >= target and self.follower.version is not None:
+            if target is not None and self._version is not None and self.engine.version >= target:
                 return {"version": self.engine.version, "pause_s": 0.0, "skipped": True}
             t0, started_at = time.perf_counter(), time.time()
-            shared_before = self.stats["shared_patches"]
-            adv, ready, later = self._advance(target)
+            step = self._advance_shared(target) if self.share is not None else self._advance_own(target)
             advanced_at = time.time()
-            shadow = self.follower.shadow
-            at = adv.version if later is None else later[0]  # a deferred shared step: the shadow is at a
-            assert shadow is not None and self.follower.version == at
-            if adv.full:
-                pause = self.engine.update_weights(adv.version, shadow)
-                live_at = time.time()
+            adv = step.adv or Advance(step.version, False)
+            if step.patches is None:  # a full reload (done under the share's lock with a share)
+                if step.full_pause is None:
+                    assert self.follower.shadow is not None
+                    step.full_pause = self.engine.update_weights(step.version, self.follower.shadow)
+                    step.live_at = time.time()
+                    step.elements = sum(int(t.size) for t in self.follower.shadow.values())
+                pause, live_at = step.full_pause, step.live_at
+                patched = step.elements
                 if self._defers:  # e.g. the second weight bank: built now, not on the next delta's way
                     self.engine.flush_deferred()
                 self.stats["full_reloads"] += 1
                 self.stats["full_reload_s_last"] = pause
-                patched = sum(int(t.size) for t in shadow.values())
             else:
-                patches = ready if ready is not None else _patches(adv.changes, shadow)
+                patches = step.patches
                 live: list[float] = []
                 on_live = lambda: live.append(time.time())  # noqa: E731
                 if self._defers:
-                    pause = self.engine.patch_weights(adv.version, patches, on_live, flush=False)
-                else:
-                    pause = self.engine.patch_weights(adv.version, patches, on_live)
-                if later is not None:  # the shared step's shadow write, off the way to the pause
-                    self._apply_shared(*later, patches)
-                if self._defers:
+                    pause = self.engine.patch_weights(step.version, patches, on_live, flush=False)
                     self.engine.flush_deferred()  # after the pause, see above
+                else:
+                    pause = self.engine.patch_weights(step.version, patches, on_live)
                 live_at = live[0]
                 patched = sum(len(ix) for ix, _ in patches.values())
+            self._version = step.version
             s = self.stats
             s["syncs"] += 1
             s["serving_syncs"] += serving
@@ -242,8 +286,8 @@ class EngineWeightSync:
             s["downloaded_bytes"] += adv.downloaded_bytes
             s["patched_elements"] += patched
             return {
-                "version": adv.version,
-                "full": adv.full,
+                "version": step.version,
+                "full": step.patches is None,
                 "recovered": adv.recovered,
                 "pause_s": pause,
                 "fetch_s": adv.fetch_s,
@@ -252,17 +296,48 @@ class EngineWeightSync:
                 "patched_elements": patched,
                 "total_s": time.perf_counter() - t0,
                 "started_at": started_at,  # wall clock when this sync began (it held the sync lock)
-                # when the verified patch was at hand (a single shared step's shadow write follows the pause)
-                "advanced_at": advanced_at,
+                "advanced_at": advanced_at,  # when the verified patch (or the full reload) was at hand
                 "live_at": live_at,  # wall clock when the engine started serving this version
-                "shared_steps": int(self.stats["shared_patches"] - shared_before),  # patches from the share
+                "shared_steps": step.shared,  # patches read from the host share
                 "serving": serving,  # the engine had sessions running: the sync ran at the process's priority
             }
 
-    def _apply_shared(self, a: int, b: int, patches: Patches) -> None:
-        """Move the shadow along the shared step ``a -> b`` the engine already serves."""
-        self.follower.apply_patch(a, b, patches)
-        self.stats["shared_patches"] += 1
+    def _advance_own(self, target: int | None) -> _Step:
+        """Without a host share: advance this engine's own shadow from the store."""
+        adv = self._from_store(target)
+        shadow = self.follower.shadow
+        assert shadow is not None and self.follower.version == adv.version
+        return _Step(adv.version, None if adv.full else _patches(adv.changes, shadow), adv=adv)
+
+
+@dataclass
+class _Step:
+    """Where one sync takes the engine: ``version`` through the engine patch ``patches``, or a full reload
+    when it is None (already done, under the share's lock, when ``full_pause`` is set)."""
+
+    version: int
+    patches: Patches | None
+    adv: Advance | None = None  # the store work this engine did, if any
+    shared: int = 0  # host-share patches this step composed
+    full_pause: float | None = None
+    live_at: float = 0.0
+    elements: int = 0  # of a full reload
+
+
+def compose_patches(steps: list[Patches]) -> Patches:
+    """One patch with the effect of applying ``steps`` in order: per tensor the sorted union of their
+    indices, each with the value of the last step that writes it."""
+    if len(steps) == 1:
+        return steps[0]
+    out: Patches = {}
+    for name in sorted(set().union(*steps)):
+        parts = [s[name] for s in reversed(steps) if name in s]  # newest first
+        if len(parts) == 1:
+            out[name] = parts[0]
+            continue
+        index, first = np.unique(np.concatenate([p[0] for p in parts]), return_index=True)
+        out[name] = (index, np.concatenate([p[1] for p in parts])[first])  # first occurrence = newest step
+    return out
 
 
 IDLE_WEIGHT = 3

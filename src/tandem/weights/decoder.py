@@ -9,6 +9,9 @@ Invariants:
   changed elements, for the others the whole new tensor. ``Patch.apply`` is the only step that writes into
   live weights, so an engine decodes while serving and pauses only for the scatter.
 - Work is split into the encoder's chunks; kernels release the GIL, so ``tasks()`` run in parallel.
+- ``changed_positions(blob)`` needs no base: which elements a delta changes is coded apart from their base
+  values (gaps in the sparse mode, per-element classes or symbols in the quad and dense modes, where
+  "unchanged" is its own class).
 """
 
 from __future__ import annotations
@@ -84,16 +87,21 @@ class Patch:
 class TensorDecoder:
     """Parse (and checksum) a blob against its base, then run ``tasks()`` and call ``finish()``."""
 
-    def __init__(self, name: str, prev: np.ndarray, blob: bytes, prepare: bool = False) -> None:
+    def __init__(
+        self, name: str, prev: np.ndarray, blob: bytes, prepare: bool = False, positions_only: bool = False
+    ) -> None:
         self.name = name
         self.header = h = parse_header(blob, name)
-        check_match(name, h, prev)
+        if not positions_only:  # else ``prev`` only names the key width (``changed_positions``)
+            check_match(name, h, prev)
         self.blob = memoryview(blob)
         self.prev = np.require(prev, requirements="C")
         self.prepare = prepare
         self.spec = key_spec(prev.dtype)
         self.sparse = h.mode == SPARSE
-        self.out = None if prepare and h.mode in (SPARSE, IDENT) else np.empty_like(self.prev)
+        self.out = (
+            None if positions_only or (prepare and h.mode in (SPARSE, IDENT)) else np.empty_like(self.prev)
+        )
         self.status: list[int] = []
         self.streams: list[_ChunkStream] = []
         self._idx: list[np.ndarray] = []
@@ -266,6 +274,44 @@ def _read_chunk(
     for k in range(nbytes):
         bbytes[k] = buf[pos + k]
     return count, pos + nbytes, rwords, lens, bwords, nbits
+
+
+def changed_positions(blob: bytes | memoryview, name: str = "tensor") -> np.ndarray | None:
+    """The sorted flat indices of the elements ``blob`` changes, decoded without its base (see module
+    invariants), or None when it rewrites the whole tensor (raw and XOR fallback modes). Raises
+    ``CorruptDeltaError`` naming the tensor for a blob whose streams do not decode."""
+    h = parse_header(blob, name)
+    if h.mode == IDENT:
+        return np.zeros(0, np.int64)
+    if h.mode not in (SPARSE, DENSE, QUAD):
+        return None
+    width = np.float32 if h.dtype_tag == "float32" else np.uint16  # the key width is all positions need
+    dec = TensorDecoder(name, np.empty(0, width), blob, positions_only=True)
+    found: list[np.ndarray] = []
+    for s in dec.streams:
+        t, n = dec.table, s.stop - s.start
+        if h.mode == SPARSE:
+            g, (b, u) = dec.gap_table, golomb_params(dec.golomb_m)
+            idx, z = np.empty(s.count, np.int64), np.empty(s.count, np.int64)
+            status = D.decode_sparse_chunk(
+                n, s.count, dec.gap_mode, g.lut, g.freq, g.cum, t.lut, t.freq, t.cum,
+                dec.golomb_m, b, u, s.rwords, s.rlens, s.bwords, s.nbits, idx, z,
+            )  # fmt: skip
+        elif h.mode == QUAD:  # four 2-bit classes per symbol; class 0 is "unchanged"
+            quads = np.empty((n + 3) // 4, np.uint8)
+            status = D.dense_symbols_from_streams(t.lut, t.fc, s.rwords[: K.LANES], s.rlens[: K.LANES], quads)
+            idx = np.flatnonzero(((quads[:, None] >> _QUAD_SHIFTS) & 3).reshape(-1)[:n])
+        else:  # one diff symbol per element; symbol 0 is "unchanged"
+            syms = np.empty(n, np.uint8)
+            status = D.dense_symbols_from_streams(t.lut, t.fc, s.rwords, s.rlens, syms)
+            idx = np.flatnonzero(syms)
+        if status != 0:
+            raise CorruptDeltaError(f"delta blob of {name!r} is inconsistent; refetch it")
+        found.append(idx + s.start)
+    return np.concatenate(found) if found else np.zeros(0, np.int64)
+
+
+_QUAD_SHIFTS = np.arange(0, 8, 2, dtype=np.uint8)
 
 
 def decode_tensor(prev: np.ndarray, blob: bytes, name: str = "tensor", threads: int = 1) -> np.ndarray:

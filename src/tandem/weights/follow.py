@@ -4,6 +4,8 @@ A ``WeightFollower`` holds a *shadow*: the published arrays of its current versi
 patterns, exactly as the trainer published them). ``advance(target)`` downloads the cheapest plan from its
 version to ``target`` (a delta chain, or the nearest full snapshot plus its chain), decodes it into the
 shadow, and reports which elements changed, so an engine can patch just those elements of its own weights.
+The shadow is the follower's own, or, for the engines of a host share, the host's one shadow
+(``tandem.weights.hostshadow``), which ``EngineWeightSync`` hands it only while it holds the share's lock.
 
 Invariants:
 - The shadow is verified before it is reported: after every plan step ``tensors_hash(shadow)`` must equal
@@ -27,7 +29,6 @@ import numpy as np
 
 from tandem.core.errors import TandemError
 from tandem.weights.client import WeightClient
-from tandem.weights.decode_kernels import scatter_bits
 from tandem.weights.delta import Delta, prepare_delta
 from tandem.weights.manifest import FULL, PlanStep
 from tandem.weights.publish import decode_full
@@ -130,38 +131,6 @@ class WeightFollower:
                 out.changes[name] = np.union1d(out.changes[name], idx)
             else:
                 out.changes[name] = idx
-
-    def check_patch(self, a: int, b: int, patches: dict[str, tuple[np.ndarray, np.ndarray]]) -> bool:
-        """True when :meth:`apply_patch` would accept the patch ``a -> b`` now: the shadow is at exactly
-        ``a`` and holds every tensor it names, with at least as many elements as the indices reach."""
-        if self.shadow is None or self.version != a:
-            return False
-        for name, (index, values) in patches.items():
-            t = self.shadow.get(name)
-            if t is None or not t.flags.c_contiguous or index.shape != values.shape:
-                return False
-            if index.size and not 0 <= int(index[0]) <= int(index[-1]) < t.size:
-                return False
-        return True
-
-    def apply_patch(self, a: int, b: int, patches: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
-        """Move the shadow from version ``a`` to ``b`` by a verified patch another follower of the same store
-        made (``tandem.weights.hostshare``); refused unless the shadow is at exactly ``a``."""
-        if self.shadow is None or self.version != a:
-            raise ShadowMismatchError(
-                f"a patch {a} -> {b} applies to version {a}, the shadow is at {self.version}"
-            )
-        for name in patches:
-            if name not in self.shadow or not self.shadow[name].flags.c_contiguous:
-                raise ShadowMismatchError(
-                    f"a patch {a} -> {b} names {name!r}, which the shadow does not hold"
-                )
-        shadow = self.shadow
-        self.shadow, self.version = None, None
-        for name, (index, values) in patches.items():
-            scatter_bits(shadow[name].reshape(-1), index, values)
-        self.shadow, self.version = shadow, b
-        self.stats["shared_patches"] = self.stats.get("shared_patches", 0) + 1
 
     @staticmethod
     def _verify(shadow: dict[str, np.ndarray], step: PlanStep) -> None:

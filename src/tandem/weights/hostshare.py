@@ -4,8 +4,9 @@ Engines that follow a store on their own each download, decode and hash every ve
 a host that is N times the CPU for the same result, taken from the CPU that serves. A host share is a
 directory on a host-local filesystem (``/dev/shm`` where it exists) in which the first engine to need a
 version step ``a -> b`` (the step's *leader*) writes its verified patch: for every changed tensor the flat
-indices and the new values. The other engines read the patch and apply it to their shadow and their
-weights without downloading or decoding anything.
+indices and the new values. The other engines read the patch and apply it to their weights without
+downloading or decoding anything. The leader decodes against the host's one shadow
+(``tandem.weights.hostshadow``, in the same directory, used under the share's lock).
 
 Invariants:
 - A leader writes a patch only after its own shadow reached version ``b`` and was verified against the
@@ -15,8 +16,8 @@ Invariants:
 - A patch file carries a BLAKE3 digest of its body, checked on every read; a file that is missing,
   truncated, corrupt or for another step is never applied: ``read`` returns None and the caller follows the
   store itself.
-- A patch ``a -> b`` is applied only to a shadow at exactly version ``a``; applied to version ``a``'s
-  verified weights it gives version ``b``'s verified weights (``apply_to_shadow`` checks the version).
+- A patch ``a -> b`` is applied only to weights at exactly version ``a``; applied to version ``a``'s
+  verified weights it gives version ``b``'s verified weights.
 - ``lock()`` is an exclusive ``flock`` on the share's lock file: a process takes it only when the patch it
   needs is not there yet, looks again under it (``find``, a listing) and, when there is still none, holds it
   while it advances and writes one, so the other engines of the host wait for that patch instead of
