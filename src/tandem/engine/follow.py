@@ -34,11 +34,12 @@ Invariants:
   failing its digest), the engine's patch is the elements the store's deltas ``a -> ...`` change (their
   positions decode without a base: ``changed_positions``) with the verified shadow's values. Only when that
   cannot be done (the engine's first sync, a shadow that had to be recovered from a snapshot, a snapshot on
-  the store's path from ``a``) does the engine reload in full from the verified shadow, under the lock,
-  downloading nothing for it. An engine with sessions running first waits up to ``lead_yield_ms`` for another
-  engine of the host to write that patch (producing it runs Python beside the decode loop, which takes the GIL
-  from the loop), so an idle engine leads when there is one; after the wait it takes the lock as above, so a
-  host of busy engines still advances.
+  the store's path from ``a``) does the engine reload in full from the verified shadow, under the share's
+  shared lock (in parallel with other engines' reloads, never beside a leader's writes), downloading nothing
+  for it. An engine with sessions running first waits up to ``lead_yield_ms`` for another engine of the host
+  to write that patch (producing it runs Python beside the decode loop, which takes the GIL from the loop), so
+  an idle engine leads when there is one; after the wait it takes the lock as above, so a host of busy engines
+  still advances.
 - Published tensors omit tied duplicates (``lm_head`` tied to the embeddings): patching the published name
   patches the shared storage and every derived buffer built from it.
 """
@@ -121,7 +122,7 @@ class EngineWeightSync:
         """Bring the engine's next state to ``target`` through the host share (see module invariants): the
         patches other engines wrote, read without a lock and composed into one engine patch; where the next
         one is missing, under the share's lock, :meth:`_lead`."""
-        assert self.share is not None
+        assert self.share is not None and self.host_shadow is not None
         if target is None:
             target = self.follower.latest()
             if target is None:
@@ -137,8 +138,8 @@ class EngineWeightSync:
                 got = self.share.read(at, target)
                 if got is None:
                     break
-                at, step = got
-                steps.append(step)
+                at, patch = got
+                steps.append(patch)
             read_s += time.perf_counter() - t0
             if at == target:
                 self.stats["shared_read_s_total"] += read_s
@@ -156,16 +157,28 @@ class EngineWeightSync:
                 if at is not None and at not in looked_again and self.share.find(at, target) is not None:
                     looked_again.add(at)
                     continue
+                step = self._lead(at, target, steps)
+            if step.patches is None:
+                with self.share.lock(shared=True):  # a full reload, in parallel with other engines' reloads
+                    version, tensors = self.host_shadow.load()
+                    if version is not None and version >= step.version:
+                        step.full_pause = self.engine.update_weights(version, tensors)
+                        step.version, step.live_at = version, time.time()
+                        step.elements = sum(int(t.size) for t in tensors.values())
+            if step.patches is not None or step.full_pause is not None:
                 self.stats["shared_read_s_total"] += read_s
                 self.stats["shared_patches"] += len(steps)
-                return self._lead(at, target, steps)
+                return step
+            # A leader died halfway between this engine's lead and its reload (the shadow is dirty): lead
+            # again, which recovers the shadow.
+            steps, at, looked_again = [], self._version, set()
 
     def _lead(self, at: int | None, target: int, steps: list[Patches]) -> _Step:
         """Under the share's lock: advance the host shadow to ``target`` from the store (on the store
         thread), write its patch for the other engines, and return this engine's step from ``at`` (its
-        share patches ``steps`` plus that patch). When the shadow was not at ``at`` (another engine took it
-        elsewhere, or there was none) no patch leads from ``at``: the engine reloads in full from the
-        verified shadow, here, under the lock (nothing is downloaded for it)."""
+        share patches ``steps`` plus that patch, or the positions the store's deltas change when the shadow
+        is past ``at``). A step without patches means a full reload from the verified shadow, which the
+        caller does under the shared lock (nothing is downloaded for it)."""
         assert self.host_shadow is not None and self.share is not None
         base, tensors = self.host_shadow.load()
         if base is not None and base > target:
@@ -196,9 +209,7 @@ class EngineWeightSync:
                     moved[name] = _union(moved[name], idx) if name in moved else idx
                 patch = _patches(moved, tensors)
                 return _Step(target, compose_patches([*steps, patch]), adv=adv, shared=len(steps))
-        pause = self.engine.update_weights(target, tensors)
-        elements = sum(int(t.size) for t in tensors.values())
-        return _Step(target, None, adv=adv, full_pause=pause, live_at=time.time(), elements=elements)
+        return _Step(target, None, adv=adv)  # a full reload from the host shadow: the caller's, see above
 
     def _store_positions(self, a: int, b: int, adv: Advance) -> dict[str, np.ndarray | None] | None:
         """The elements the store's delta chain ``a -> b`` changes, per tensor (None: all of it), decoded

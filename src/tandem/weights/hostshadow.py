@@ -12,7 +12,8 @@ offsets) mapped shared by every process that leads, plus ``shadow.json``: the fi
 version the file holds and whether an update is in progress.
 
 Invariants:
-- Only the holder of the share's lock (``HostShare.lock``) reads or writes the shadow or its state.
+- The shadow and its state are written only under the share's exclusive lock (``HostShare.lock``) and read
+  only under it or the shared lock (engines reloading from the shadow, in parallel).
 - ``load`` returns a version only for a shadow that was verified at that version: ``begin`` marks the state
   dirty before the holder writes in place, and ``commit`` clears it only with a verified version. A holder
   that dies in between leaves it dirty; the next ``load`` then returns no shadow (the next leader recovers
@@ -94,7 +95,7 @@ class HostShadow:
         self._file, self._layout = name, layout
         return True
 
-    # -------------------------------------------------------------- API (under the share's lock)
+    # -------------------------------------------------------------- API (under the share's lock: see module)
     def load(self) -> tuple[int | None, dict[str, np.ndarray] | None]:
         """The shadow's verified version and its arrays (writable views into the shared file), or
         ``(None, None)`` when there is none, an update was left unfinished, or its file is unreadable."""

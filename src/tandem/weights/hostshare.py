@@ -69,11 +69,13 @@ class HostShare:
         return self.path / f"{a:08d}-{b:08d}.patch"
 
     @contextlib.contextmanager
-    def lock(self) -> Iterator[None]:
-        """Hold the share's exclusive lock (blocks until it is free)."""
+    def lock(self, shared: bool = False) -> Iterator[None]:
+        """Hold the share's lock, exclusive or ``shared`` (blocks until it can be had): the host shadow is
+        written only under the exclusive lock and may be read under either, so engines reloading from it
+        hold it shared, in parallel with each other."""
         fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)  # releases the lock
