@@ -22,6 +22,7 @@ def test_bench_sync_prints_its_json_and_the_delta_is_far_smaller():
     assert out["size"] == "default" and out["model_params"] > 1_000_000
     assert out["warmup_deltas"] == 1 and out["first_delta_s"] > 0  # untimed, reported apart
     assert out["host_share"] is True and out["shared_syncs_frac"] == 0.0  # one engine: nothing to share
+    assert out["host_leader"] is False and out["busy_engines"] == 1  # a leader only with several engines
     assert 0 < out["density"] < 0.5
     assert 0 < out["delta_bytes"] * 10 < out["full_bytes"] < out["raw_bytes"]
     assert out["pause_ms"] > 0 and out["full_reload_ms"] > 0 and out["tokens_per_s_quiet"] > 0
@@ -50,3 +51,8 @@ def test_bench_sync_rejects_bad_counts():
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 2 and "warmup_deltas=-1" in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "tandem.cli.main", "bench", "sync", "--engines", "2", "--busy-engines", "3"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2 and "busy_engines=3" in r.stderr

@@ -456,3 +456,36 @@ def test_a_serving_engine_lets_an_idle_one_produce_the_shared_patch(served, tmp_
             s.close()
     with pytest.raises(ValueError, match="lead_yield_ms"):
         EngineWeightSync(idle, server.url, share=share, lead_yield_ms=-1)
+
+
+def test_a_host_leader_leads_every_step_so_engines_only_read_patches(served, tmp_path):
+    """A ``HostLeader`` (a process of its own in a run) advances the host shadow and writes each step's
+    patch: the engines then download and decode nothing, not even their first load, and a step it already
+    led is a no-op; what the engines serve is exactly the published bits."""
+    from tandem.weights.hostlead import HostLeader
+
+    trainer_model, publisher, share, engines, syncs = _two_engines_sharing(served, tmp_path)
+    leader = HostLeader(syncs[0].follower.client.urls, share)
+    g = torch.Generator().manual_seed(13)
+    try:
+        publisher.publish(0, _bf16_state(trainer_model))
+        first = leader.advance(0)
+        assert first["full"] and not first["patch"] and first["downloaded_bytes"] > 0
+        for s in syncs:
+            out = s.sync(0)
+            assert out["full"] and out["downloaded_bytes"] == 0  # reloaded from the leader's shadow
+        for version in (1, 2):
+            _step(trainer_model, g)
+            publisher.publish(version, _bf16_state(trainer_model))
+            led = leader.advance(version)
+            assert led["patch"] and led["base"] == version - 1 and not led["full"]
+            assert leader.advance(version)["skipped"]
+            for s, e in zip(syncs, engines, strict=True):
+                out = s.sync(version)
+                assert out["shared_steps"] == 1 and out["downloaded_bytes"] == 0 and not out["full"]
+                _assert_serves(e, _bf16_state(trainer_model))
+        assert leader.stats["patches"] == 2 and leader.stats["recoveries"] == 0
+    finally:
+        leader.close()
+        for s in syncs:
+            s.close()

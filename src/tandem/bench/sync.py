@@ -34,8 +34,12 @@ Measured, in order:
 4. ``bound_s`` = compressed bytes of one delta / link bandwidth (relays fetch in parallel, one link each).
 With ``host_share`` (the default, like a run with several engines) the engines share one host share
 (``tandem.weights.hostshare``): per delta one engine downloads, decodes and verifies it, and the others apply
-its verified patch; ``shared_syncs_frac`` is the fraction of engine syncs served that way.
-``--no-host-share`` measures every engine following the store on its own.
+its verified patch; ``shared_syncs_frac`` is the fraction of engine syncs served that way. ``--no-host-share``
+measures every engine following the store on its own. With a host share and more than one engine, a host
+leader (``tandem.weights.hostlead``, a process of its own, as ``tandem train`` starts it;
+``--no-host-leader``: none) is told each version when the engines are and leads every step it gets to first,
+so the engines only read patches. ``busy_engines`` (default 1) engines run the steady decode load; with all of
+them busy, as in production, no idle engine is there to lead.
 
 5. ``tokens_per_s_during_sync_ratio``: engine 0 decodes a steady load throughout; its tokens/s while delta
    syncs are in flight divided by its tokens/s in a quiet window of the same length right after them.
@@ -58,7 +62,7 @@ import numpy as np
 import ray
 
 from tandem.core.config import EngineConfig
-from tandem.orchestrator.actors import RelayActor
+from tandem.orchestrator.actors import HostLeaderActor, RelayActor
 from tandem.weights.hostshare import default_share_root
 
 SIZES = ("100m", "default")
@@ -81,10 +85,12 @@ class _BenchEngine:
         self.sync_obj: Any = None
         self._load = False
 
-    def follow(self, urls: list[str], share: str | None = None) -> None:
+    def follow(self, urls: list[str], share: str | None = None, host_leader: bool = False) -> None:
         from tandem.engine.follow import EngineWeightSync
 
-        self.sync_obj = EngineWeightSync(self.engine, urls, connections=4, share=share)
+        self.sync_obj = EngineWeightSync(
+            self.engine, urls, connections=4, share=share, host_leader=host_leader
+        )
 
     def sync(self, version: int) -> dict[str, Any]:
         return self.sync_obj.sync(version)
@@ -160,6 +166,8 @@ def run_sync_bench(
     size: str = "100m",
     host_share: bool = True,
     warmup_deltas: int = 1,
+    host_leader: bool = False,
+    busy_engines: int = 1,
 ) -> dict[str, Any]:
     """Run the benchmark of the module docstring; returns its JSON object. ``model_path`` is the shipped
     model (``size="default"`` serves it; other sizes take its tokenizer)."""
@@ -172,6 +180,8 @@ def run_sync_bench(
             f"relays={relays}, engines={engines}, deltas={deltas}, warmup_deltas={warmup_deltas}, "
             f"bandwidth_mbps={bandwidth_mbps}"
         )
+    if not 1 <= busy_engines <= engines:
+        raise ValueError(f"busy_engines={busy_engines} must be in [1, engines={engines}]")
     if size not in SIZES:
         raise ValueError(f"size {size!r} is not one of {list(SIZES)}")
     lr = DEFAULT_LR[size] if lr is None else lr
@@ -207,16 +217,28 @@ def run_sync_bench(
             ]
             actors += rs
             relay_sets.append(ray.get([r.url.remote() for r in rs]))
-        ray.get([e.follow.remote([relay_sets[0][i % relays]], share) for i, e in enumerate(eng)])
-        publisher.publish(0, versions[0])
-        ray.get([e.sync.remote(0) for e in eng])
+        leader = None
+        if share is not None and host_leader and engines > 1:  # like `tandem train` (weights.host_leader)
+            leader = HostLeaderActor.remote([relay_sets[0][0]], share)
+            actors.append(leader)
+        led = leader is not None
+        ray.get([e.follow.remote([relay_sets[0][i % relays]], share, led) for i, e in enumerate(eng)])
 
-        ray.get(eng[0].start_load.remote())
+        def sync_all(v: int) -> list[dict[str, Any]]:
+            leading = [leader.advance.remote(v)] if leader is not None else []
+            results = ray.get([e.sync.remote(v) for e in eng])
+            ray.get(leading)
+            return results
+
+        publisher.publish(0, versions[0])
+        sync_all(0)
+
+        ray.get([e.start_load.remote() for e in eng[:busy_engines]])
         first_delta_s = None
         for v in range(1, warmup_deltas + 1):  # untimed: each process's first delta (see docstring)
             t0 = time.time()
             publisher.publish(v, versions[v])
-            results = ray.get([e.sync.remote(v) for e in eng])
+            results = sync_all(v)
             if first_delta_s is None:
                 first_delta_s = max(r["live_at"] for r in results) - t0
         time.sleep(1.0)  # the load reaches a steady state
@@ -230,7 +252,7 @@ def run_sync_bench(
             tok0 = ray.get(eng[0].tokens.remote())
             report = publisher.publish(v, versions[v])
             publish_s.append(time.time() - t0)
-            results = ray.get([e.sync.remote(v) for e in eng])
+            results = sync_all(v)
             for key in parts:
                 parts[key].append(float(np.mean([r[key] for r in results])))
             shared_steps += sum(r["shared_steps"] for r in results)
@@ -244,7 +266,7 @@ def run_sync_bench(
         q0 = ray.get(eng[0].tokens.remote())
         time.sleep(max(busy, 1.0))
         q1 = ray.get(eng[0].tokens.remote())
-        ray.get(eng[0].stop_load.remote())
+        ray.get([e.stop_load.remote() for e in eng[:busy_engines]])
         anon_mb = sum(ray.get([e.anon_mb.remote() for e in eng]))
         share_mb = (
             sum(f.stat().st_size for f in Path(share).iterdir() if f.is_file()) / 2**20 if share else 0.0
@@ -277,6 +299,8 @@ def run_sync_bench(
             "relays": relays,
             "engines": engines,
             "host_share": host_share,
+            "host_leader": leader is not None,
+            "busy_engines": busy_engines,
             "shared_syncs_frac": round(shared_steps / (deltas * engines), 3),
             "lr": lr,
             "density": round(float(np.mean(changed)), 5),

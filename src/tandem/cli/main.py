@@ -288,6 +288,16 @@ def bench_sync(
             help="Engines on this host share one decode per delta (a run's default with several engines).",
         ),
     ] = True,
+    host_leader: Annotated[
+        bool,
+        typer.Option(
+            "--host-leader/--no-host-leader",
+            help="With a host share, a process of its own leads every step (weights.host_leader).",
+        ),
+    ] = False,
+    busy_engines: Annotated[
+        int, typer.Option(help="Engines under a steady decode load (engine 0's rate is the one reported).")
+    ] = 1,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Publish -> relays -> engines: time to serve a new version as a delta vs as a full checkpoint."""
@@ -306,6 +316,8 @@ def bench_sync(
             size=size,
             host_share=host_share,
             warmup_deltas=warmup_deltas,
+            host_leader=host_leader,
+            busy_engines=busy_engines,
         )
     except ValueError as e:
         fail(str(e))

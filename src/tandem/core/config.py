@@ -468,6 +468,16 @@ class WeightsConfig(Section):
     each delta through a host-local directory (``tandem.weights.hostshare``; under ``/dev/shm``); the first
     engine to need a step writes its verified patch and the others apply it. False: every engine follows
     the store on its own."""
+    host_leader: bool = False
+    """With a host share: a process of its own on the host (``tandem.weights.hostlead.HostLeader``, a Ray
+    actor) leads every step: at each publish it advances the host's shadow and writes the step's patch, so
+    the engines only read patches and none of them decodes beside its decode loop. Every engine, idle or
+    serving, first waits up to ``lead_yield_ms`` for the step's patch; one still leads the step itself when
+    the patch is not there by then and the leader does not hold the share's lock. The leader's store work
+    runs ``follow_nice`` levels down like an engine's. False (default): the engines lead (an idle one when
+    there is one); measured in ``tandem bench sync`` (README, Weight sync), the leader did not raise the
+    serving engine's decode rate beyond the noise with one engine of four busy, and with all four busy it
+    cut the time to serve a delta 3.4x only at its process's priority, which takes CPU from serving."""
     lead_yield_ms: float = Field(50.0, ge=0, le=10_000)
     """With a host share: an engine that is serving (has sessions running) waits up to this long for
     another engine of its host to produce the next patch before producing it itself, so an idle engine

@@ -5,12 +5,15 @@ Invariants: ``pid_alive`` never signals the process (signal 0 only checks existe
 ``cpu_ticks`` reads the machine-wide counters of ``/proc/stat`` (every process of the host, not only
 tandem's); busy time is user, nice, system, irq and softirq, so idle, I/O wait and the time a VM host stole
 count as not busy (the stolen share is ``steal_fraction``). Where ``/proc/stat`` cannot be read, the
-readings and everything computed from them are None instead of raising.
+readings and everything computed from them are None instead of raising. ``lower_thread_priority`` changes
+only the calling thread (Linux thread ids), never the process, and never raises where it is not permitted.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import threading
 from typing import NamedTuple
 
 
@@ -58,3 +61,44 @@ def steal_fraction(before: CpuTicks | None, after: CpuTicks | None) -> float | N
     if before is None or after is None or after.total <= before.total:
         return None
     return (after.steal - before.steal) / (after.total - before.total)
+
+
+IDLE_WEIGHT = 3
+"""CFS weight of a ``SCHED_IDLE`` thread (a nice-0 thread weighs 1024, and each nice level is 1.25x less)."""
+
+
+def _cfs_weight(nice: int) -> float:
+    return 1024 / 1.25**nice
+
+
+def lower_priority_plan(base: int, nice: int) -> tuple[str, int]:
+    """How to make a thread ``nice`` levels less favoured than a process at niceness ``base``:
+    ``("nice", n)`` (set the thread's niceness to ``n``) or ``("idle", 19)`` (``SCHED_IDLE``).
+
+    The niceness range ends at 19, so a process that already runs niced (Ray starts its worker processes,
+    and so every engine actor, at 15) has fewer levels left than asked for: at base 15, nice 19 is only
+    2.4x below the engine instead of the 9.3x of 10 levels. Then the plan takes whichever of nice 19 and
+    ``SCHED_IDLE`` (weight 3: 12x below a nice-15 thread) comes closer, in CPU share, to the ratio asked
+    for."""
+    if nice <= 0 or base + nice <= 19:
+        return "nice", min(19, base + max(nice, 0))
+    want = _cfs_weight(base) / _cfs_weight(base + nice)
+    at_19 = _cfs_weight(base) / _cfs_weight(19)
+    idle = _cfs_weight(base) / IDLE_WEIGHT
+    return ("idle", 19) if abs(math.log(idle / want)) < abs(math.log(at_19 / want)) else ("nice", 19)
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Make the calling thread ``nice`` levels less favoured than the process (threads it starts inherit),
+    as far as the kernel allows (see ``lower_priority_plan``). Linux applies ``setpriority`` and
+    ``sched_setscheduler`` to a single thread when given its thread id; elsewhere this does nothing."""
+    if nice <= 0 or not hasattr(threading, "get_native_id"):
+        return
+    try:
+        tid = threading.get_native_id()
+        how, level = lower_priority_plan(os.getpriority(os.PRIO_PROCESS, os.getpid()), nice)
+        os.setpriority(os.PRIO_PROCESS, tid, level)
+        if how == "idle" and hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except OSError:  # not permitted here: keep what could be set
+        pass

@@ -30,24 +30,23 @@ Invariants:
   and composes them into one engine patch; only when the next one is missing does it take the share's lock,
   look again, and, when still missing, *lead*: advance the host shadow from the store itself (on the store
   thread), write that step's verified patch for the others, whom the lock holds back meanwhile, and patch
-  itself from it. When the host shadow is past the engine's version and no patch leads from ``a`` (gone, or
-  failing its digest), the engine's patch is the elements the store's deltas ``a -> ...`` change (their
-  positions decode without a base: ``changed_positions``) with the verified shadow's values. Only when that
-  cannot be done (the engine's first sync, a shadow that had to be recovered from a snapshot, a snapshot on
-  the store's path from ``a``) does the engine reload in full from the verified shadow, under the share's
-  shared lock (in parallel with other engines' reloads, never beside a leader's writes), downloading nothing
-  for it. An engine with sessions running first waits up to ``lead_yield_ms`` for another engine of the host
-  to write that patch (producing it runs Python beside the decode loop, which takes the GIL from the loop), so
-  an idle engine leads when there is one; after the wait it takes the lock as above, so a host of busy engines
-  still advances.
+  itself from it (``tandem.weights.hostlead.lead_step``; a host's ``HostLeader``, a process of its own, leads
+  steps the same way and, told of each version when the engines are, usually first). When the host shadow is
+  past the engine's version and no patch leads from ``a`` (gone, or failing its digest), the engine's patch is
+  the elements the store's deltas ``a -> ...`` change (their positions decode without a base:
+  ``changed_positions``) with the verified shadow's values. Only when that cannot be done (the engine's first
+  sync, a shadow that had to be recovered from a snapshot, a snapshot on the store's path from ``a``) does the
+  engine reload in full from the verified shadow, under the share's shared lock (in parallel with other
+  engines' reloads, never beside a leader's writes), downloading nothing for it. An engine with sessions
+  running first waits up to ``lead_yield_ms`` for another engine of the host to write that patch (producing it
+  runs Python beside the decode loop, which takes the GIL from the loop), so an idle engine leads when there
+  is one; after the wait it takes the lock as above, so a host of busy engines still advances.
 - Published tensors omit tied duplicates (``lm_head`` tied to the embeddings): patching the published name
   patches the shared storage and every derived buffer built from it.
 """
 
 from __future__ import annotations
 
-import math
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -58,11 +57,14 @@ from typing import Any
 import numpy as np
 
 from tandem.core.errors import TandemError
+from tandem.core.procs import lower_priority_plan as lower_priority_plan
+from tandem.core.procs import lower_thread_priority as _lower_priority
 from tandem.engine.builtin import BuiltinEngine
 from tandem.weights.client import WeightClient
 from tandem.weights.decoder import changed_positions
 from tandem.weights.delta import warm_kernels
 from tandem.weights.follow import Advance, WeightFollower
+from tandem.weights.hostlead import lead_step, patch_of
 from tandem.weights.hostshadow import HostShadow
 from tandem.weights.hostshare import HostShare, Patches
 from tandem.weights.manifest import FULL
@@ -80,12 +82,14 @@ class EngineWeightSync:
         nice: int = 10,
         share: HostShare | str | None = None,
         lead_yield_ms: float = 50.0,
+        host_leader: bool = False,
     ) -> None:
         if not 0 <= nice <= 19:
             raise ValueError(f"nice={nice} must be in [0, 19] (0: the sync runs at the process's priority)")
         if not 0 <= lead_yield_ms <= 10_000:
             raise ValueError(f"lead_yield_ms={lead_yield_ms} must be in [0, 10000] (0: never wait)")
         self.lead_yield_s = lead_yield_ms / 1000
+        self.host_leader = host_leader  # the host runs a HostLeader: even an idle engine lets it lead
         self.engine = engine
         self.share = HostShare(share) if isinstance(share, str) else share
         self.host_shadow = HostShadow(self.share.path) if self.share is not None else None
@@ -145,8 +149,8 @@ class EngineWeightSync:
                 self.stats["shared_read_s_total"] += read_s
                 self.stats["shared_patches"] += len(steps)
                 return _Step(target, compose_patches(steps), shared=len(steps))
-            if at is not None and not yielded and self._serving():
-                yielded = True  # once per sync: let an idle engine of the host lead (see lead_yield_ms)
+            if at is not None and not yielded and (self.host_leader or self._serving()):
+                yielded = True  # once per sync: let the host leader or an idle engine lead (lead_yield_ms)
                 if self._wait_for_share(at, target):
                     self.stats["lead_yields"] += 1
                     continue
@@ -180,25 +184,10 @@ class EngineWeightSync:
         is past ``at``). A step without patches means a full reload from the verified shadow, which the
         caller does under the shared lock (nothing is downloaded for it)."""
         assert self.host_shadow is not None and self.share is not None
-        base, tensors = self.host_shadow.load()
-        if base is not None and base > target:
-            target = base  # never move the host's shadow back: the engine takes the newer verified version
-        self.follower.shadow, self.follower.version = tensors, base
-        self.host_shadow.begin()
-        try:
-            adv = self._from_store(target)
-            assert self.follower.shadow is not None and self.follower.version == target
-            tensors = self.host_shadow.commit(target, self.follower.shadow)
-        except BaseException:
-            self.host_shadow.drop()
-            raise
-        finally:
-            self.follower.shadow, self.follower.version = None, None  # the shadow is only used under the lock
-        if not adv.full and base is not None and base < target:
-            written = _patches(adv.changes, tensors)
-            self.share.write(base, target, written)
-            if base == at:
-                return _Step(target, compose_patches([*steps, written]), adv=adv, shared=len(steps))
+        res = lead_step(self.share, self.host_shadow, self.follower, target, self._from_store)
+        base, target, adv, tensors, written = res.base, res.version, res.adv, res.tensors, res.written
+        if written is not None and base == at:
+            return _Step(target, compose_patches([*steps, written]), adv=adv, shared=len(steps))
         if not adv.full and at is not None and base is not None and at < base:
             # The shadow is past the engine and no patch leads from ``at``: which elements changed from
             # ``at`` to ``base`` is in the store's deltas (positions need no base), their values are the
@@ -207,7 +196,7 @@ class EngineWeightSync:
             if moved is not None:
                 for name, idx in adv.changes.items():  # base -> target, advanced above
                     moved[name] = _union(moved[name], idx) if name in moved else idx
-                patch = _patches(moved, tensors)
+                patch = patch_of(moved, tensors)
                 return _Step(target, compose_patches([*steps, patch]), adv=adv, shared=len(steps))
         return _Step(target, None, adv=adv)  # a full reload from the host shadow: the caller's, see above
 
@@ -318,7 +307,7 @@ class EngineWeightSync:
         adv = self._from_store(target)
         shadow = self.follower.shadow
         assert shadow is not None and self.follower.version == adv.version
-        return _Step(adv.version, None if adv.full else _patches(adv.changes, shadow), adv=adv)
+        return _Step(adv.version, None if adv.full else patch_of(adv.changes, shadow), adv=adv)
 
 
 @dataclass
@@ -351,60 +340,8 @@ def compose_patches(steps: list[Patches]) -> Patches:
     return out
 
 
-IDLE_WEIGHT = 3
-"""CFS weight of a ``SCHED_IDLE`` thread (a nice-0 thread weighs 1024, and each nice level is 1.25x less)."""
-
-
-def _cfs_weight(nice: int) -> float:
-    return 1024 / 1.25**nice
-
-
-def lower_priority_plan(base: int, nice: int) -> tuple[str, int]:
-    """How to make a thread ``nice`` levels less favoured than a process at niceness ``base``:
-    ``("nice", n)`` (set the thread's niceness to ``n``) or ``("idle", 19)`` (``SCHED_IDLE``).
-
-    The niceness range ends at 19, so a process that already runs niced (Ray starts its worker processes,
-    and so every engine actor, at 15) has fewer levels left than asked for: at base 15, nice 19 is only
-    2.4x below the engine instead of the 9.3x of 10 levels. Then the plan takes whichever of nice 19 and
-    ``SCHED_IDLE`` (weight 3: 12x below a nice-15 thread) comes closer, in CPU share, to the ratio asked
-    for."""
-    if nice <= 0 or base + nice <= 19:
-        return "nice", min(19, base + max(nice, 0))
-    want = _cfs_weight(base) / _cfs_weight(base + nice)
-    at_19 = _cfs_weight(base) / _cfs_weight(19)
-    idle = _cfs_weight(base) / IDLE_WEIGHT
-    return ("idle", 19) if abs(math.log(idle / want)) < abs(math.log(at_19 / want)) else ("nice", 19)
-
-
-def _lower_priority(nice: int) -> None:
-    """Make the calling thread ``nice`` levels less favoured than the process (threads it starts inherit),
-    as far as the kernel allows (see ``lower_priority_plan``). Linux applies ``setpriority`` and
-    ``sched_setscheduler`` to a single thread when given its thread id; elsewhere this does nothing."""
-    if nice <= 0 or not hasattr(threading, "get_native_id"):
-        return
-    try:
-        tid = threading.get_native_id()
-        how, level = lower_priority_plan(os.getpriority(os.PRIO_PROCESS, os.getpid()), nice)
-        os.setpriority(os.PRIO_PROCESS, tid, level)
-        if how == "idle" and hasattr(os, "SCHED_IDLE"):
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-    except OSError:  # not permitted here: keep what could be set
-        pass
-
-
 def _union(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
     """Sorted union of two flat index sets; None (the whole tensor) absorbs anything."""
     if a is None or b is None:
         return None
     return np.union1d(a, b)
-
-
-def _patches(changes: dict[str, np.ndarray | None], shadow: dict[str, np.ndarray]) -> Patches:
-    """The engine patch of ``changes``: per tensor its changed flat indices (all of them for None) and the
-    shadow's values there."""
-    out: Patches = {}
-    for name, idx in changes.items():
-        flat = shadow[name].reshape(-1)
-        index = np.arange(flat.size, dtype=np.int64) if idx is None else idx
-        out[name] = (index, flat[index])
-    return out

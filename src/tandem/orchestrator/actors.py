@@ -77,6 +77,7 @@ class EngineActor:
                 w.follow_nice,
                 share=weight_share,
                 lead_yield_ms=w.lead_yield_ms,
+                host_leader=weight_share is not None and w.host_leader,
             )
 
     async def follow(self, version: int) -> dict[str, Any]:
@@ -302,6 +303,23 @@ class RelayActor:
 
     def stats(self) -> dict[str, Any]:
         return dict(self.relay.stats())
+
+
+@ray.remote(num_cpus=0)
+class HostLeaderActor:
+    """A host's weight leader (``tandem.weights.hostlead.HostLeader``): advances the host share's shadow and
+    writes each step's patch for the host's engines."""
+
+    def __init__(self, urls: list[str], share: str, nice: int = 10) -> None:
+        from tandem.weights.hostlead import HostLeader
+
+        self.leader = HostLeader(urls, share, nice=nice)
+
+    async def advance(self, version: int) -> dict[str, Any]:
+        return await asyncio.to_thread(self.leader.advance, version)
+
+    def stats(self) -> dict[str, float]:
+        return dict(self.leader.stats)
 
 
 @ray.remote(num_cpus=0)

@@ -106,6 +106,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
     try:
         urls = weights.engine_urls(trainer, cfg.engine.num_engines, run_dir)
         share = weights.engine_share(cfg.engine.num_engines)
+        weights.start_leader(urls[0])
         engines = [
             EngineActor.options(num_cpus=cfg.engine.threads, name=f"tandem-engine-{i}").remote(
                 cfg, seed=cfg.train.seed + i, weight_urls=urls[i], weight_share=share

@@ -7,7 +7,9 @@ Two transports (``weights.transport``):
   verifies and patches it in place (``EngineActor.follow``), through ``weights.relays`` relay actors when
   configured (each engine lists its relay first and the store server second, so a dead relay is survived).
   With several engines and ``weights.host_share``, the engines of a host share one decode of each delta
-  through a host-local share directory (``tandem.weights.hostshare``) that ``finish`` removes.
+  through a host-local share directory (``tandem.weights.hostshare``) that ``finish`` removes; with
+  ``weights.host_leader`` a ``HostLeaderActor`` of the host leads every step (it is told each version when
+  the engines are), so the engines only read patches.
 - ``"object_store"``: the full tensors as one ``WeightUpdate`` through Ray's object store, verified by hash.
 
 Invariants:
@@ -30,7 +32,7 @@ from typing import Any
 import ray
 
 from tandem.core.config import RunConfig
-from tandem.orchestrator.actors import RelayActor
+from tandem.orchestrator.actors import HostLeaderActor, RelayActor
 
 
 class WeightPath:
@@ -47,6 +49,8 @@ class WeightPath:
                 shutil.rmtree(self.store)
         self.relays: list[Any] = []
         self.share_dir: str | None = None
+        self.leader: Any = None  # the host's HostLeaderActor, if any
+        self._leading: list[Any] = []
         self._pending: list[Any] = []
         self.last: dict[str, float] = {}
         self.totals = {"delta_bytes": 0, "raw_bytes": 0, "publishes": 0}
@@ -80,11 +84,17 @@ class WeightPath:
         self.share_dir = str(default_share_root() / f"tandem-share-{uuid.uuid4().hex[:16]}")
         return self.share_dir
 
+    def start_leader(self, urls: list[str] | None) -> None:
+        """With a host share and ``weights.host_leader``: start the host's leader, fetching from ``urls``
+        (an engine's: its relay, then the store server)."""
+        if self.share_dir is not None and urls and self.cfg.weights.host_leader:
+            self.leader = HostLeaderActor.remote(urls, self.share_dir, self.cfg.weights.follow_nice)
+
     def start(self, trainer, engines, version: int) -> None:
         """Make every engine serve ``version`` as published before anything is generated."""
         if self.delta:
             self._publish(trainer)
-            ray.get([e.follow.remote(version) for e in engines])
+            ray.get(self._lead(version) + [e.follow.remote(version) for e in engines])
         else:
             update = trainer.publish.remote()
             ray.get([e.update_weights.remote(update) for e in engines])
@@ -98,6 +108,7 @@ class WeightPath:
             return {"weight_sync_s": time.monotonic() - t0, "engine_pause_s": max(pauses)}
         out = self._collect()
         report = self._publish(trainer)
+        self._leading = self._lead(version)
         self._pending = [e.follow.remote(version) for e in engines]
         if wait:
             out = self._collect()
@@ -116,12 +127,17 @@ class WeightPath:
         self.totals["raw_bytes"] += report["raw_bytes"]
         return report
 
+    def _lead(self, version: int) -> list[Any]:
+        """The host leader's step to ``version``, started (empty without a leader)."""
+        return [self.leader.advance.remote(version)] if self.leader is not None else []
+
     def _collect(self) -> dict[str, float]:
         """Wait for the engines' last fetch; metrics of the slowest engine (empty if nothing was pending)."""
         if not self._pending:
             return {}
         results = ray.get(self._pending)
-        self._pending = []
+        ray.get(self._leading)
+        self._pending, self._leading = [], []
         return {
             "engine_pause_s": max(r["pause_s"] for r in results),
             "engine_fetch_s": max(r.get("fetch_s", 0.0) + r.get("decode_s", 0.0) for r in results),
@@ -145,4 +161,4 @@ class WeightPath:
             shutil.rmtree(self.share_dir, ignore_errors=True)
 
     def actors(self) -> list[Any]:
-        return list(self.relays)
+        return list(self.relays) + ([self.leader] if self.leader is not None else [])
