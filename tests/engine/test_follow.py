@@ -489,3 +489,5 @@ def test_a_host_leader_leads_every_step_so_engines_only_read_patches(served, tmp
         leader.close()
         for s in syncs:
             s.close()
+    with pytest.raises(ValueError, match="nice=20"):
+        HostLeader(syncs[0].follower.client.urls, share, nice=20)

@@ -25,22 +25,23 @@ Invariants:
   (``tandem.weights.follow``); if verification and the snapshot recovery both fail, the engine keeps its
   current version and the error propagates.
 - With a host share (``tandem.weights.hostshare``) the host keeps one shadow (``tandem.weights.hostshadow``),
-  used only under the share's lock, and no engine keeps its own. An engine at version ``a`` first reads the
-  verified patches ``a -> b`` other engines of its host wrote (without a lock, in parallel with the others)
-  and composes them into one engine patch; only when the next one is missing does it take the share's lock,
-  look again, and, when still missing, *lead*: advance the host shadow from the store itself (on the store
-  thread), write that step's verified patch for the others, whom the lock holds back meanwhile, and patch
-  itself from it (``tandem.weights.hostlead.lead_step``; a host's ``HostLeader``, a process of its own, leads
-  steps the same way and, told of each version when the engines are, usually first). When the host shadow is
-  past the engine's version and no patch leads from ``a`` (gone, or failing its digest), the engine's patch is
-  the elements the store's deltas ``a -> ...`` change (their positions decode without a base:
-  ``changed_positions``) with the verified shadow's values. Only when that cannot be done (the engine's first
-  sync, a shadow that had to be recovered from a snapshot, a snapshot on the store's path from ``a``) does the
-  engine reload in full from the verified shadow, under the share's shared lock (in parallel with other
-  engines' reloads, never beside a leader's writes), downloading nothing for it. An engine with sessions
+  written only under the share's exclusive lock, and no engine keeps its own. An engine at version ``a`` first
+  reads the verified patches ``a -> b`` other engines of its host wrote (without a lock, in parallel with the
+  others) and composes them into one engine patch; only when the next one is missing does it take the share's
+  lock, look again, and, when still missing, *lead*: advance the host shadow from the store itself (on the
+  store thread), write that step's verified patch for the others, whom the lock holds back meanwhile, and
+  patch itself from it (``tandem.weights.hostlead.lead_step``; a host's ``HostLeader``, a process of its own,
+  leads steps the same way and, told of each version when the engines are, usually first). When the host
+  shadow is past the engine's version and no patch leads from ``a`` (gone, or failing its digest), the
+  engine's patch is the elements the store's deltas ``a -> ...`` change (their positions decode without a
+  base: ``changed_positions``) with the verified shadow's values. Only when that cannot be done (the engine's
+  first sync, a shadow that had to be recovered from a snapshot, a snapshot on the store's path from ``a``)
+  does the engine reload in full from the verified shadow, under the share's shared lock (in parallel with
+  other engines' reloads, never beside a leader's writes), downloading nothing for it. An engine with sessions
   running first waits up to ``lead_yield_ms`` for another engine of the host to write that patch (producing it
   runs Python beside the decode loop, which takes the GIL from the loop), so an idle engine leads when there
-  is one; after the wait it takes the lock as above, so a host of busy engines still advances.
+  is one; after the wait it takes the lock as above, so a host of busy engines still advances. With
+  ``host_leader`` (the host runs a ``HostLeader``) every engine, idle or not, waits so first.
 - Published tensors omit tied duplicates (``lm_head`` tied to the embeddings): patching the published name
   patches the shared storage and every derived buffer built from it.
 """
