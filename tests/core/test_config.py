@@ -42,6 +42,7 @@ def test_overrides_parse_toml_values(tmp_path):
         ("tasks.source=mbpp", "tasks.source"),
         ("engine.double_buffer_weights=maybe", "engine.double_buffer_weights"),
         ("weights.host_share=sometimes", "weights.host_share"),
+        ("weights.host_leader=perhaps", "weights.host_leader"),
         ("sandbox.scratch=ram", "sandbox.scratch"),
         ("engine.gather_idle_ms=-1", "engine.gather_idle_ms"),
         ("engine.gather_idle_max_ms=1e9", "engine.gather_idle_max_ms"),
