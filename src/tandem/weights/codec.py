@@ -38,13 +38,7 @@ from tandem.weights.blob import (
     write_header,
 )
 from tandem.weights.entropy import ALPHABET, NEXTRA, NJIT, golomb_parameter, golomb_params
-from tandem.weights.tables import (
-    Table,
-    normalize,
-    serialize_table,
-    table_cost_bits,
-    write_varint,
-)
+from tandem.weights.tables import Table, plan_table, write_varint
 
 CHUNK_LOG2 = 20
 SPARSE_CHUNK_BITS = 8 * 12  # per chunk: directory varints and up to two rANS final states
@@ -96,25 +90,39 @@ def word_views(p: np.ndarray, c: np.ndarray, lanes: int) -> tuple[np.ndarray, np
 
 @njit(**NJIT)
 def _sampled_density(p: np.ndarray, c: np.ndarray) -> float:
-    """Fraction of changed elements in an evenly strided sample of about 4096 elements."""
-    step = max(1, p.shape[0] // 4096)
-    changed = taken = 0
-    for i in range(0, p.shape[0], step):
-        changed += p[i] != c[i]
-        taken += 1
-    return changed / max(1, taken)
+    """Fraction of changed elements in a sample of about 4096: 64 evenly spaced runs of 64 contiguous
+    elements (two cache lines per run and array, where single strided elements cost one each)."""
+    n = p.shape[0]
+    if n <= 4096:
+        changed = 0
+        for i in range(n):
+            changed += p[i] != c[i]
+        return changed / max(1, n)
+    step = n // 64
+    changed = 0
+    for r in range(64):
+        a = r * step
+        for i in range(a, a + 64):
+            changed += p[i] != c[i]
+    return changed / 4096
+
+
+_NO_EXTRA = np.zeros(0, np.float64)
+_NEXTRA_F = NEXTRA.astype(np.float64)
 
 
 def _table_bits(counts: np.ndarray, raw_bits: bool = True) -> tuple[float, np.ndarray, bytes]:
     """Coded bits of symbols with these counts (table included; with ``raw_bits`` the symbols are diff
     buckets and their raw low bits count too), the frequencies, the serialized table."""
-    freq = normalize(counts)
-    ser = bytearray()
-    serialize_table(freq, ser)
-    bits = table_cost_bits(counts, freq) + 8 * len(ser)
-    if raw_bits:
-        bits += float((counts * NEXTRA).sum())
-    return bits, freq, bytes(ser)
+    bits, freq, ser = plan_table(
+        np.ascontiguousarray(counts, np.float64), _NEXTRA_F if raw_bits else _NO_EXTRA
+    )
+    return bits, freq, ser.tobytes()
+
+
+def _total(arrays: list[np.ndarray]) -> np.ndarray:
+    """Elementwise sum of same-shaped arrays (the only one itself, not a copy: callers only read it)."""
+    return arrays[0] if len(arrays) == 1 else np.sum(arrays, axis=0)
 
 
 @dataclass
@@ -164,7 +172,7 @@ class TensorEncoder:
         spec = self.spec
         hist = K.new_hist()
         count = -1
-        if _sampled_density(p, c) < DENSE_FROM * 1.25:  # a clearly dense chunk skips listing its changes
+        if _sampled_density(p, c) < DENSE_FROM:  # a dense chunk skips listing its changes
             p64, c64 = word_views(p, c, spec.lanes)
             cap = (b - a) // 4 + 24
             idx, z = np.empty(cap, np.uint32), np.empty(cap, np.uint64)
@@ -182,11 +190,7 @@ class TensorEncoder:
         qhist, ehist = np.zeros(K.QUAD_ALPHABET, np.int64), np.zeros(ALPHABET, np.int64)
         esyms, ebits, words, enbits = K.quad_scan(p, c, spec.sign, spec.mask, quads, qhist, ehist)
         if count < 0:
-            classes = qhist @ K.QUAD_CLASSES  # per class; the last quad's padding counts as class 0
-            hist[1, :3] += classes[:3]
-            hist[1, 0] -= 4 * quads.shape[0] - n
-            hist[1] += ehist  # escapes are the diff symbols >= 3: the same row is the dense histogram
-            self.scans[k] = _Scan(int(n - hist[1, 0]), None, None, hist)
+            self.scans[k] = _Scan(K.dense_hist_of_quads(qhist, ehist, n, hist), None, None, hist)
         scan = self.scans[k]
         scan.quads, scan.escapes, scan.qhist, scan.ehist = quads, esyms.shape[0], qhist, ehist
         if esyms.shape[0] <= n * KEEP_ESCAPES:  # else recomputed when encoding (see KEEP_ESCAPES)
@@ -214,7 +218,7 @@ class TensorEncoder:
         if self.changed == 0:
             self.mode = IDENT
             return
-        hist = np.sum([s.hist for s in scans], axis=0)
+        hist = _total([s.hist for s in scans])
         chunks = len(self.chunks)
         # Sizes decide, with a small bias for the faster decoder: sparse below DENSE_FROM, dense above.
         sparse_first = self.changed < DENSE_FROM * self.n
@@ -224,8 +228,8 @@ class TensorEncoder:
         dense_bits += DENSE_CHUNK_BITS * chunks
         options.append((dense_bits * (DENSE_BIAS if quad_ok else SPEED_BIAS if sparse_first else 1), DENSE))
         if quad_ok:
-            qbits, self.quad_freq, self.quad_table = _table_bits(np.sum([s.qhist for s in scans], 0), False)
-            ebits, self.esc_freq, self.esc_table = _table_bits(np.sum([s.ehist for s in scans], 0))
+            qbits, self.quad_freq, self.quad_table = _table_bits(_total([s.qhist for s in scans]), False)
+            ebits, self.esc_freq, self.esc_table = _table_bits(_total([s.ehist for s in scans]))
             quad_bits = qbits + ebits + QUAD_CHUNK_BITS * chunks
             options.append((quad_bits * (SPEED_BIAS if sparse_first else 1), QUAD))
         if all(s.idx is not None for s in scans):
@@ -233,13 +237,13 @@ class TensorEncoder:
             options.append((sparse_bits * (1 if sparse_first else SPEED_BIAS), SPARSE))
         self.mode = min(options)[1]
         if self.mode == SPARSE:
-            self._gap_t = Table(self.gap_freq, side="encode")
-            self._diff_t = Table(self.diff_freq, side="encode")
+            self._gap_t = Table.encoding(self.gap_freq)
+            self._diff_t = Table.encoding(self.diff_freq)
         elif self.mode == DENSE:
-            self._dense_t = Table(self.dense_freq, side="encode")
+            self._dense_t = Table.encoding(self.dense_freq)
         elif self.mode == QUAD:
-            self._quad_t = Table(self.quad_freq, K.QUAD_ALPHABET, side="encode")
-            self._esc_t = Table(self.esc_freq, side="encode")
+            self._quad_t = Table.encoding(self.quad_freq, K.QUAD_ALPHABET)
+            self._esc_t = Table.encoding(self.esc_freq)
 
     def _plan_sparse(self, hist: np.ndarray) -> float:
         diff_counts = hist[1].copy()

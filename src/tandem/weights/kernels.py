@@ -383,6 +383,23 @@ def _positions_in_quads(quads: np.ndarray, listed: np.ndarray, count: int) -> tu
     return where, m
 
 
+@njit(**NJIT)
+def dense_hist_of_quads(qhist: np.ndarray, ehist: np.ndarray, n: int, hist: np.ndarray) -> int:
+    """Add the dense histogram of a chunk of ``n`` elements (row 1 of ``hist``) from its quad symbols'
+    histogram and its escapes' diff symbols' histogram; returns the chunk's number of changes. Classes 0-2
+    are the diff symbols 0-2, escapes the symbols >= 3; the last quad's padding is class 0."""
+    for q in range(qhist.shape[0]):
+        for k in range(4):
+            cls = (q >> (2 * k)) & 3
+            if cls < 3:
+                hist[1, cls] += qhist[q]
+    hist[1, 0] -= 4 * ((n + 3) // 4) - n
+    for s in range(ehist.shape[0]):
+        hist[1, s] += ehist[s]
+    unchanged = hist[1, 0]
+    return n - unchanged
+
+
 def _quad_tables() -> tuple[np.ndarray, np.ndarray]:
     """Per quad symbol: its four key changes as packed int8 bytes (element k in byte k; escapes 0), and its
     count of each class."""

@@ -45,6 +45,15 @@ class Table:
             self.lut, self.fc  # noqa: B018
 
     @classmethod
+    def encoding(cls, freq: np.ndarray, alphabet: int = ALPHABET) -> Table:
+        """The encoding half of a table from ``normalize``'s frequencies (trusted: sum ``PROB_SCALE``, none
+        negative, at most ``alphabet`` symbols), built in one compiled call."""
+        t = cls.__new__(cls)
+        t.freq, t.cum, t._enc = _encoding_half(np.ascontiguousarray(freq, np.int64), alphabet, _ENC_ROWS)
+        t.alphabet, t._lut, t._fc = alphabet, None, None
+        return t
+
+    @classmethod
     def decoding(
         cls, freq: np.ndarray, cum: np.ndarray, lut: np.ndarray, fc: np.ndarray, alphabet: int
     ) -> Table:
@@ -100,6 +109,36 @@ def _encoder_table(freq: np.ndarray, cum: np.ndarray, rows: np.ndarray) -> np.nd
                 enc[r, s] = rows[r, f]
             enc[3, s] += np.uint64(cum[s])
     return enc
+
+
+@njit(**NJIT)
+def _encoding_half(
+    freq: np.ndarray, alphabet: int, rows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``Table.encoding``: freq and cum padded to ``alphabet`` (uint32), and ``_encoder_table``."""
+    full, cum = np.zeros(alphabet, np.uint32), np.zeros(alphabet, np.uint32)
+    at = 0
+    for s in range(freq.shape[0]):
+        full[s] = freq[s]
+    for s in range(alphabet):
+        cum[s] = at
+        at += full[s]
+    return full, cum, _encoder_table(full, cum, rows)
+
+
+@njit(**NJIT)
+def plan_table(counts: np.ndarray, extra_bits: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+    """One compiled call for a candidate table: (exact coded bits of symbols with these ``counts``
+    (float64) under the quantised table, plus the serialized table's bits, plus ``counts[s] *
+    extra_bits[s]`` raw bits; the frequencies (``normalize``); the serialized bytes
+    (``serialize_table``))."""
+    freq = _normalize(counts)
+    buf = np.empty(10 + 10 * freq.shape[0], np.uint8)
+    n = _pack_table(freq, buf)
+    bits = _cost_bits(counts, freq.astype(np.float64)) + 8.0 * n
+    for s in range(min(counts.shape[0], extra_bits.shape[0])):
+        bits += counts[s] * extra_bits[s]
+    return bits, freq, buf[:n]
 
 
 def normalize(counts: np.ndarray) -> np.ndarray:
