@@ -1,8 +1,8 @@
 """Classify a model's sessions on built-in tasks by what it wrote: the reference body, a planted bug, or
 something else (e.g. the right expression with a wrong constant), and whether the hidden tests passed.
 
-A diagnostic for the default run's held-out result (README, "Default training run"): it samples with the
-same engine, harness, sandbox and reward as ``tandem eval`` and looks at each session's diff.
+A diagnostic for the default run's held-out result (docs/results.md, "Default training run"): it samples
+with the same engine, harness, sandbox and reward as ``tandem eval`` and looks at each session's diff.
 
 Classes (from the lines the session's diff adds to ``solution.py``): ``no_change`` (no diff), ``reference``
 (the reference solution's last line is among them), ``bug`` (a planted bug's last line is), ``other``;

@@ -7,7 +7,7 @@
 #   MOE_KIND=upcycled (default)  the shipped dense model sparse-upcycled to 8 experts, top-2
 #                                (scripts/upcycle_moe.py, written to OUT/model): it solves some tasks, so
 #                                rewards vary, advantages are non-zero and the trainer really updates.
-#   MOE_KIND=random              the tiny random-init MoE of README (models/tandem-moe): fast, but in a
+#   MOE_KIND=random              the tiny random-init MoE of docs/results.md (models/tandem-moe): fast, but in a
 #                                trial run it scored reward 0 at every step, so every gradient was zero and
 #                                only the mismatch and routing curves carried information.
 #   STEPS=8                      optimizer steps per run.

@@ -320,7 +320,7 @@ class EngineConfig(Section):
     gather_idle_max_ms: float = Field(default=100.0, ge=0.0, le=10000.0)
     """Longest an idle engine waits for sessions that finished a turn within this window (their KV parked
     for the next turn, as an agent loop sends it) to come back before it starts what is queued; 0 turns
-    gathering off (``tandem.engine.front``). Measured in ``tandem bench gateway`` (README)."""
+    gathering off (``tandem.engine.front``). Measured in ``tandem bench gateway`` (docs/results.md)."""
     double_buffer_weights: bool = True
     """Built-in engine, dense models on its fast forward: keep two copies of the weights the forward reads
     and write a delta update into the idle copy while serving, so the update pauses serving only to switch
@@ -475,8 +475,8 @@ class WeightsConfig(Section):
     serving, first waits up to ``lead_yield_ms`` for the step's patch; one still leads the step itself when
     the patch is not there by then and the leader does not hold the share's lock. The leader's store work
     runs ``follow_nice`` levels down like an engine's. False (default): the engines lead (an idle one when
-    there is one); measured in ``tandem bench sync`` (README, Weight sync), the leader did not raise the
-    serving engine's decode rate beyond the noise with one engine of four busy, and with all four busy it
+    there is one); measured in ``tandem bench sync`` (docs/results.md, Weight sync), the leader did not raise
+    the serving engine's decode rate beyond the noise with one engine of four busy, and with all four busy it
     cut the time to serve a delta 3.4x only at its process's priority, which takes CPU from serving."""
     lead_yield_ms: float = Field(50.0, ge=0, le=10_000)
     """With a host share: an engine that is serving (has sessions running) waits up to this long for

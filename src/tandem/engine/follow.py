@@ -16,11 +16,11 @@ Invariants:
   holds the GIL for much of it, and a GIL holder the kernel starves (a ``SCHED_IDLE`` thread behind busy
   neighbours) stalls the engine's own decode loop, which needs the GIL between its torch calls: a priority
   inversion. An idle engine has no loop to stall, so it runs that work ``nice`` levels down and leaves the CPU
-  to the engines that serve. Measured (README, Weight sync): a loaded engine applying patches beside two busy
-  processes decoded at 0.84-0.85 of its quiet rate with its after-pause writes at ``SCHED_IDLE`` and 0.94-1.02
-  with them at the process's priority; running every engine's patch work at the process's priority instead
-  took CPU from the serving engine (0.80-0.81 in ``tandem bench sync``). The pause itself runs on the engine's
-  loop thread.
+  to the engines that serve. Measured (docs/results.md, Weight sync): a loaded engine applying patches beside
+  two busy processes decoded at 0.84-0.85 of its quiet rate with its after-pause writes at ``SCHED_IDLE``
+  and 0.94-1.02 with them at the process's priority; running every engine's patch work at the process's
+  priority instead took CPU from the serving engine (0.80-0.81 in ``tandem bench sync``). The pause itself
+  runs on the engine's loop thread.
 - The engine is only ever given weights the follower verified against the store's recorded hash
   (``tandem.weights.follow``); if verification and the snapshot recovery both fail, the engine keeps its
   current version and the error propagates.

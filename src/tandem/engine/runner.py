@@ -25,9 +25,9 @@ Invariants:
   a transposed buffer in buffer order.
 - With ``double_buffer`` the banks hold a copy of every parameter the forward uses, so a plan leaves out
   the writes to the HF parameters themselves (each such write touches ~40% of a copy's cache lines at RL
-  densities, memory traffic a serving engine on the same host pays for: README, Weight sync); the owner
-  sets ``params_stale`` once it serves a patched bank, and ``restore_params()`` copies the served bank back
-  into the parameters before anything reads them (``refresh`` refuses to run on stale parameters; the
+  densities, memory traffic a serving engine on the same host pays for: docs/results.md, Weight sync); the
+  owner sets ``params_stale`` once it serves a patched bank, and ``restore_params()`` copies the served bank
+  back into the parameters before anything reads them (``refresh`` refuses to run on stale parameters; the
   engine restores them for its ``model`` and before a full update).
 - Active sessions occupy slots ``0..n-1`` (the engine compacts with ``move``), so a decode step works on
   views of the cache and never gathers it. ``lens[s]`` is the number of tokens cached in slot ``s``.
