@@ -1,7 +1,7 @@
 """Static frequency tables of the delta codec: quantisation, cost estimates, compact serialisation, varints.
 
 Invariants: a ``Table``'s frequencies sum to exactly ``PROB_SCALE`` and every symbol with a nonzero count
-gets a frequency >= 1 (``normalize``); ``parse_table`` rejects any other table (``ValueError``), so a
+gets a frequency >= 1 (``_normalize``); ``parse_table`` rejects any other table (``ValueError``), so a
 decoder never builds an inconsistent lookup table. Serialisation is deterministic.
 """
 
@@ -16,15 +16,13 @@ from tandem.weights.entropy import ALPHABET, NJIT, PROB_BITS, PROB_SCALE
 class Table:
     """A quantised static distribution: ``freq``/``cum`` per symbol, the decode ``lut`` per slot with ``fc``
     (freq | cum << 16), and the encoder rows ``enc[:, s]`` = [x_max, reciprocal, shift, bias, PROB_SCALE -
-    freq] of ryg's rANS reciprocal trick, so encoding needs no division. ``side`` ("encode", "decode" or
-    "both") says which half to build now, in the constructing thread (the codec's worker threads then only
-    read it); the other half is built on first use."""
+    freq] of ryg's rANS reciprocal trick, so encoding needs no division. The codec builds the half it needs
+    up front, in the constructing thread (``encoding``, ``decoding``), so its worker threads only read it;
+    a half not built yet is built on first use."""
 
     __slots__ = ("freq", "cum", "alphabet", "_fc", "_lut", "_enc")
 
-    def __init__(self, freq: np.ndarray, alphabet: int = ALPHABET, side: str = "both") -> None:
-        if side not in ("encode", "decode", "both"):
-            raise ValueError(f"side={side!r} must be 'encode', 'decode' or 'both'")
+    def __init__(self, freq: np.ndarray, alphabet: int = ALPHABET) -> None:
         if freq.shape[0] > alphabet or int(freq.sum()) != PROB_SCALE or (freq < 0).any():
             raise ValueError(
                 f"corrupt frequency table ({freq.shape[0]} symbols of at most {alphabet}, sum "
@@ -39,14 +37,10 @@ class Table:
         self._fc: np.ndarray | None = None
         self._lut: np.ndarray | None = None
         self._enc: np.ndarray | None = None
-        if side != "decode":
-            self.enc  # noqa: B018 - built now, see the class docstring
-        if side != "encode":
-            self.lut, self.fc  # noqa: B018
 
     @classmethod
     def encoding(cls, freq: np.ndarray, alphabet: int = ALPHABET) -> Table:
-        """The encoding half of a table from ``normalize``'s frequencies (trusted: sum ``PROB_SCALE``, none
+        """The encoding half of a table from ``plan_table``'s frequencies (trusted: sum ``PROB_SCALE``, none
         negative, at most ``alphabet`` symbols), built in one compiled call."""
         t = cls.__new__(cls)
         t.freq, t.cum, t._enc = _encoding_half(np.ascontiguousarray(freq, np.int64), alphabet, _ENC_ROWS)
@@ -130,8 +124,8 @@ def _encoding_half(
 def plan_table(counts: np.ndarray, extra_bits: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
     """One compiled call for a candidate table: (exact coded bits of symbols with these ``counts``
     (float64) under the quantised table, plus the serialized table's bits, plus ``counts[s] *
-    extra_bits[s]`` raw bits; the frequencies (``normalize``); the serialized bytes
-    (``serialize_table``))."""
+    extra_bits[s]`` raw bits; the frequencies (``_normalize``); the serialized bytes (the format
+    ``parse_table`` reads))."""
     freq = _normalize(counts)
     buf = np.empty(10 + 10 * freq.shape[0], np.uint8)
     n = _pack_table(freq, buf)
@@ -141,16 +135,12 @@ def plan_table(counts: np.ndarray, extra_bits: np.ndarray) -> tuple[float, np.nd
     return bits, freq, buf[:n]
 
 
-def normalize(counts: np.ndarray) -> np.ndarray:
+@njit(**NJIT)
+def _normalize(counts: np.ndarray) -> np.ndarray:
     """Frequencies summing to ``PROB_SCALE``, >= 1 for each nonzero count, trimmed after the last used symbol.
 
     Floor rounding, then the rounding error is given to (or taken from) the symbols where it gains (costs)
     the most (fewest) bits, so the quantised table stays within a fraction of a percent of the entropy."""
-    return _normalize(np.ascontiguousarray(counts, np.float64))
-
-
-@njit(**NJIT)
-def _normalize(counts: np.ndarray) -> np.ndarray:
     last = -1
     for s in range(counts.shape[0]):
         if counts[s] > 0:
@@ -174,11 +164,6 @@ def _normalize(counts: np.ndarray) -> np.ndarray:
         diff -= top.shape[0]
     freq[np.argmax(freq)] += diff  # what is left (+ or -) goes to the most frequent symbol
     return freq
-
-
-def table_cost_bits(counts: np.ndarray, freq: np.ndarray) -> float:
-    """Exact coded size in bits of symbols with these counts under the quantised ``freq``."""
-    return _cost_bits(np.ascontiguousarray(counts, np.float64), np.ascontiguousarray(freq, np.float64))
 
 
 @njit(**NJIT)
@@ -221,18 +206,10 @@ def read_varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def serialize_table(freq: np.ndarray, out: bytearray) -> None:
-    """Symbol count, then per symbol its frequency; a zero is followed by the length of its zero run - 1
-    (all varints)."""
-    freq = np.ascontiguousarray(freq, np.int64)
-    buf = np.empty(10 + 10 * freq.shape[0], np.uint8)
-    out += buf[: _pack_table(freq, buf)].tobytes()
-
-
 def parse_table(
     buf: bytes | memoryview | np.ndarray, pos: int, alphabet: int = ALPHABET
 ) -> tuple[Table, int]:
-    """The table ``serialize_table`` wrote at ``pos`` (at most ``alphabet`` symbols), with its decoding half
+    """The table ``plan_table`` serialized at ``pos`` (at most ``alphabet`` symbols), with its decoding half
     built (one compiled call), and the next offset. ``buf`` may be the blob's bytes as a uint8 array."""
     arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, np.uint8)
     n, pos, freq, cum, lut, fc = _read_decode_table(arr, pos, alphabet)
@@ -281,7 +258,8 @@ def _put_varint(buf: np.ndarray, k: int, v: int) -> int:
 
 @njit(**NJIT)
 def _pack_table(freq: np.ndarray, buf: np.ndarray) -> int:
-    """``serialize_table``'s bytes into ``buf``; returns their count."""
+    """A table's serialized bytes into ``buf`` (symbol count, then per symbol its frequency; a zero is
+    followed by the length of its zero run - 1; all varints); returns their count."""
     n = freq.shape[0]
     k = _put_varint(buf, 0, n)
     i = 0
@@ -314,7 +292,7 @@ def get_varint(buf: np.ndarray, pos: int) -> tuple[int, int]:
 
 @njit(**NJIT)
 def _unpack_table(buf: np.ndarray, pos: int, alphabet: int, freq: np.ndarray) -> tuple[int, int]:
-    """Read ``serialize_table``'s format at ``pos`` into ``freq``; (symbol count, next offset), or (-1, pos)
+    """Read ``_pack_table``'s format at ``pos`` into ``freq``; (symbol count, next offset), or (-1, pos)
     when it is truncated or names more than ``alphabet`` symbols."""
     n, pos = get_varint(buf, pos)
     if n < 1 or n > alphabet:
