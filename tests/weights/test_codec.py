@@ -337,3 +337,35 @@ def test_changed_positions_are_decoded_without_the_base_in_every_mode():
     bad[-4:] = zlib.crc32(bad[:-4]).to_bytes(4, "little")
     with pytest.raises(CorruptDeltaError, match="'w'"):
         changed_positions(bytes(bad), "w")
+
+
+@pytest.mark.parametrize("n", [4096 + 3, 10_000])
+def test_the_dense_histogram_from_quads_equals_the_one_from_listing_every_change(n):
+    """A dense chunk's histogram is built from its quad and escape histograms (``dense_hist_of_quads``),
+    a sparser one's from its listed changes (``change_hist``); the mode choice compares both, so they must
+    agree symbol for symbol, and the change count must be the true one (padding of the last quad
+    included)."""
+    from tandem.weights import kernels as K
+    from tandem.weights.blob import key_spec
+    from tandem.weights.entropy import ALPHABET
+
+    rng = np.random.default_rng(3)
+    prev = bf16(rng.standard_normal(n).astype(np.float32) * 0.02)
+    pick = rng.random(n)
+    step = np.where(pick < 0.1, 1, np.where(pick < 0.2, -1, 0))
+    step[pick >= 0.9] = rng.integers(-5000, 5000, int((pick >= 0.9).sum()))
+    cur = _key_step(prev, step, 16)
+    spec = key_spec(prev.dtype)
+    cap = n + 24
+    idx, z = np.empty(cap, np.uint32), np.empty(cap, np.uint64)
+    empty = np.zeros(0, np.uint64)
+    count = K.scan_chunk(prev, cur, empty, empty, 4, spec.sign, spec.mask, idx, z)
+    listed = K.new_hist()
+    K.change_hist(idx[:count].copy(), z[:count].copy(), n, listed)
+    quads = np.empty((n + 3) // 4, np.uint8)
+    qhist, ehist = np.zeros(K.QUAD_ALPHABET, np.int64), np.zeros(ALPHABET, np.int64)
+    K.quad_scan(prev, cur, spec.sign, spec.mask, quads, qhist, ehist)
+    from_quads = K.new_hist()
+    changed = K.dense_hist_of_quads(qhist, ehist, n, from_quads)
+    assert changed == count == int(np.count_nonzero(prev != cur))
+    assert (from_quads[1] == listed[1]).all()

@@ -400,22 +400,5 @@ def dense_hist_of_quads(qhist: np.ndarray, ehist: np.ndarray, n: int, hist: np.n
     return n - unchanged
 
 
-def _quad_tables() -> tuple[np.ndarray, np.ndarray]:
-    """Per quad symbol: its four key changes as packed int8 bytes (element k in byte k; escapes 0), and its
-    count of each class."""
-    step = {0: 0, 1: -1, 2: 1, 3: 0}
-    deltas = np.zeros(QUAD_ALPHABET, np.uint32)
-    classes = np.zeros((QUAD_ALPHABET, 4), np.int64)
-    for q in range(QUAD_ALPHABET):
-        for k in range(4):
-            cls = (q >> (2 * k)) & 3
-            deltas[q] |= (step[cls] & 0xFF) << (8 * k)
-            classes[q, cls] += 1
-    return deltas, classes
-
-
-QUAD_DELTAS, QUAD_CLASSES = _quad_tables()
-
-
 def new_hist() -> np.ndarray:
     return np.zeros((HIST_ROWS, ALPHABET), np.int64)
