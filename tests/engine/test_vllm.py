@@ -69,6 +69,19 @@ def test_samples_carry_the_models_logprobs_and_seeds_reproduce(engine, hf):
     assert len({tuple(c.token_ids) for c in first}) == 4  # different seeds, different samples
 
 
+def test_seeded_prompts_beyond_one_steps_token_budget_all_complete(engine):
+    # 8 x 400 prompt tokens exceed vLLM's default 2048 per step: with chunked prefill, a seeded request
+    # whose prompt was split failed the whole step on CPU ("CPU Generator does not use offset")
+    prompts = [[10 + (7 * i + k) % 3000 for k in range(400)] for i in range(8)]
+    reqs = [
+        GenerationRequest(p, SamplingParams(max_new_tokens=4, temperature=1.0, seed=i))
+        for i, p in enumerate(prompts)
+    ]
+    first, again = engine.generate(reqs), engine.generate(reqs)
+    assert [c.finish_reason for c in first] == ["length"] * 8, first[0].error
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+
+
 def test_top_logprobs_are_the_sampled_distribution(engine, hf):
     c = engine.generate([sampled(5, n=8, top_logprobs=4)])[0]
     assert c.top_token_ids is not None and len(c.top_token_ids) == len(c.top_logprobs) == 8
@@ -252,7 +265,7 @@ def test_serve_command_runs_the_vllm_engine():
         deadline = time.monotonic() + 300
         assert proc.stdout is not None
         for line in proc.stdout:
-            m = re.search(r"serving \S+ on (http://\S+/v1) \(engine vllm\)", line)
+            m = re.search(r"serving \S+ on (http://\S+/v1) \(engine vllm: ", line)
             if m:
                 url = m.group(1)
                 break

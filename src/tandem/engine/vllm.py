@@ -271,12 +271,21 @@ class VllmEngine(RequestFront):
             "OMP_NUM_THREADS": str(max(1, cfg.threads)),
             "TOKENIZERS_PARALLELISM": "false",
         }
+        # On CPU, vLLM cannot rewind the per-request generator of a seeded request whose prefill it split
+        # over steps (a CPU torch.Generator has no offset): the whole step fails. So prompts are never
+        # split there: a step's token budget holds the longest sequence, and prefills wait for room.
+        budget = (
+            {}
+            if not on_cpu
+            else {"enable_chunked_prefill": False, "max_num_batched_tokens": max(cfg.max_seq_len, 2048)}
+        )
         args = EngineArgs(
             model=str(p),
             dtype=dtype,
             seed=self.seed,
             max_model_len=cfg.max_seq_len,
             max_num_seqs=cfg.max_batch,
+            **budget,
             enforce_eager=True,
             enable_prefix_caching=cfg.max_parked > 0,
             logprobs_mode="processed_logprobs",
