@@ -704,7 +704,7 @@ def test_serve_cli_refuses_bad_starts():
     r = runner.invoke(app, ["serve", "--host", "0.0.0.0", "--model", str(MODEL)])
     assert r.exit_code == 2 and "not a loopback address" in r.output and "--api-key" in r.output
     r = runner.invoke(app, ["serve", "--engine", "nosuch", "--model", str(MODEL)])
-    assert r.exit_code == 2 and "--engine 'nosuch' is unknown; choose one of builtin, vllm" in r.output
+    assert r.exit_code == 2 and "--engine 'nosuch' is unknown; choose one of auto, builtin, vllm" in r.output
     r = runner.invoke(app, ["serve", "--model", "/no/such/model"])
     assert r.exit_code == 2 and "not a model directory" in r.output
     r = runner.invoke(app, ["serve", "--help"])

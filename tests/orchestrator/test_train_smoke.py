@@ -67,7 +67,12 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
     assert list((run_dir / "tensorboard").iterdir())
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 0.0 < summary["machine_busy_cores"] <= (os.cpu_count() or 1)
-    assert "machine cores busy" in (run_dir / "report.md").read_text()
+    report = (run_dir / "report.md").read_text()
+    assert "machine cores busy" in report
+    # the run says which engine served it and why (the smoke preset names the built-in engine)
+    assert 'kind = "builtin"' in (run_dir / "config.toml").read_text()
+    assert "engine: builtin (engine.kind='builtin' (set explicitly))" in r.stderr
+    assert summary["engine"] == "builtin" and "served by the `builtin` engine" in report
     ev = json.loads((run_dir / "eval_after.json").read_text())
     assert ev["n"] == 4 and 0.0 <= ev["pass@1"] <= 1.0
     assert (run_dir / "final_model" / "config.json").is_file()

@@ -1,8 +1,8 @@
 """`tandem bench engine`: the built-in engine, the vLLM engine and plain ``model.generate`` of transformers.
 
-For each model size (the shipped base model's shape, ~5.8M parameters, and ``100m``, ~100M; random weights:
-throughput does not depend on them) every engine gets the same batch of prompts and the same number of new
-tokens (no early stop), sampling at temperature 1. Two numbers per engine:
+For each model size (the shipped base model's shape, ~5.8M parameters, ``15m`` and ``100m``; ``30m`` on
+request; random weights: throughput does not depend on them) every engine gets the same batch of prompts and
+the same number of new tokens (no early stop), sampling at temperature 1. Two numbers per engine:
 
 - ``tokens_per_s``: generated tokens per second of wall time for the whole batch, prefill included;
 - ``ttft_s``: time to first token of the whole batch (the same batch with one new token: prefill-bound).
@@ -10,6 +10,9 @@ tokens (no early stop), sampling at temperature 1. Two numbers per engine:
 Each engine is warmed up once, then the engines are timed in turn ``repeats`` times and the best time of each
 counts (the least disturbed by other load on a shared machine), all in one process, so the ratios hold on a
 noisy machine. An engine that cannot run here (vLLM not installed) is reported with its error, not left out.
+Per size, ``auto_picks`` is the engine ``engine.kind = "auto"`` chooses for that model here
+(``tandem.engine.choice``), and ``auto_picks_faster`` whether it is the one of the two with more tokens/s
+(None unless both ran): the check of ``engine.vllm_from_params``.
 This is the one place that changes global torch settings (threads), restored on return.
 """
 
@@ -28,9 +31,10 @@ from transformers import PreTrainedModel
 from tandem.core.config import EngineConfig
 from tandem.core.generation import GenerationRequest, SamplingParams
 from tandem.engine.builtin import BuiltinEngine
+from tandem.engine.choice import choose_engine
 
 ENGINES = ("builtin", "vllm", "hf_generate")
-SIZES = ("default", "100m")
+SIZES = ("default", "15m", "100m")
 
 
 def _random_model(size: str, seed: int = 0) -> PreTrainedModel:
@@ -132,13 +136,22 @@ def _measure_size(
             ttft = min(firsts[name][1:])
             results.append({"engine": name, "tokens_per_s": round(tps, 1), "ttft_s": round(ttft, 4)})
     ok = [r for r in results if "tokens_per_s" in r]
+    fastest = max(ok, key=lambda r: r["tokens_per_s"])["engine"] if ok else None
+    auto, _ = choose_engine(EngineConfig(), model_dir)
+    both = {"builtin", "vllm"} <= {r["engine"] for r in ok}
     return {
         "size": size,
         "model_params": sum(p.numel() for p in model.parameters()),
         "results": results,
-        "fastest_tokens_per_s": max(ok, key=lambda r: r["tokens_per_s"])["engine"] if ok else None,
+        "fastest_tokens_per_s": fastest,
         "fastest_ttft": min(ok, key=lambda r: r["ttft_s"])["engine"] if ok else None,
+        "auto_picks": auto,
+        "auto_picks_faster": (auto == max(("builtin", "vllm"), key=lambda e: _tps(ok, e))) if both else None,
     }
+
+
+def _tps(results: list[dict[str, Any]], engine: str) -> float:
+    return next(r["tokens_per_s"] for r in results if r["engine"] == engine)
 
 
 def run(

@@ -1,7 +1,8 @@
 """`tandem bench pipeline`: the same config in sync and async mode for the same wall-clock budget.
 
-Invariant: both modes run one after the other with identical config except ``orchestrator.mode``, identical
-time budget, and the same held-out evaluation of their final models; the JSON reports what each measured.
+Invariant: both modes run one after the other with identical config except ``orchestrator.mode`` (an
+``engine.kind = "auto"`` resolved once, so both run the same engine, named in ``engine``), identical time
+budget, and the same held-out evaluation of their final models; the JSON reports what each measured.
 
 What bounds the speedup on one machine: per mode, ``machine_busy_cores`` is the mean number of the machine's
 cores busy during the training loop (every process: engine, trainer, the sandboxes of tool calls and
@@ -24,10 +25,13 @@ from tandem.core.config import RunConfig
 def run(cfg: RunConfig, budget_s: float = 150.0, run_root: Path | None = None) -> dict[str, Any]:
     import ray
 
+    from tandem.engine.choice import resolve_run_engine
     from tandem.orchestrator import eval_model, train
 
     root = Path(run_root or tempfile.mkdtemp(prefix="tandem-bench-pipeline-"))
-    out: dict[str, Any] = {"budget_s": budget_s, "run_dir": str(root)}
+    cfg, reason = resolve_run_engine(cfg)  # both modes on the same engine
+    out: dict[str, Any] = {"budget_s": budget_s, "run_dir": str(root), "engine": cfg.engine.kind}
+    out["engine_reason"] = reason
     for mode in ("sync", "async"):
         c = cfg.model_copy(deep=True)
         c.orchestrator.mode = mode

@@ -163,8 +163,11 @@ def bench_engine(
         str | None, typer.Option(help="One real model directory instead of the random --sizes.")
     ] = None,
     sizes: Annotated[
-        str, typer.Option(help="Comma-separated random-weight sizes: default (~5.8M), 100m (~100M).")
-    ] = "default,100m",
+        str,
+        typer.Option(
+            help="Comma-separated random-weight sizes: default (~5.8M), 15m, 30m (~27M), 100m (~100M)."
+        ),
+    ] = "default,15m,100m",
     engines: Annotated[
         str, typer.Option(help="Comma-separated engines: builtin, vllm, hf_generate.")
     ] = "builtin,vllm,hf_generate",

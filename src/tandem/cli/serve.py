@@ -18,7 +18,7 @@ from tandem.core.errors import TandemError
 from tandem.engine.gateway.config import GatewayConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-ENGINES = ("builtin", "vllm")
+ENGINES = ("auto", "builtin", "vllm")
 _DEFAULTS = GatewayConfig()
 
 
@@ -50,8 +50,12 @@ def serve(
         Path, typer.Option(help="Local HF model directory (config.json, weights, tokenizer).")
     ] = (Path("models/tandem-base")),
     engine: Annotated[
-        str, typer.Option(help="Inference engine: builtin | vllm (needs `pip install -e .[vllm]`).")
-    ] = "builtin",
+        str,
+        typer.Option(
+            help="Inference engine: auto | builtin | vllm (vllm needs `pip install -e .[vllm]`); auto picks "
+            "the faster one for the model's size (engine.vllm_from_params)."
+        ),
+    ] = "auto",
     host: Annotated[
         str, typer.Option(help="Address to listen on; non-loopback needs --api-key.")
     ] = "127.0.0.1",
@@ -108,6 +112,11 @@ def serve(
             f"--model {str(model)!r} is not a model directory (needs config.json, weights and tokenizer.json)"
         )
 
+    from tandem.core.config import EngineConfig
+    from tandem.engine.choice import choose_engine
+
+    engine, engine_reason = choose_engine(EngineConfig(kind=engine), path)
+
     from tandem.engine.gateway import bind_socket, create_app, run_forever
 
     try:
@@ -118,7 +127,6 @@ def serve(
 
     import torch
 
-    from tandem.core.config import EngineConfig
     from tandem.engine import create_engine
     from tandem.model import load_chat_format
 
@@ -143,7 +151,8 @@ def serve(
         return
     app = create_app(eng, chat, chat.tokenizer, cfg)
     shown = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-    typer.echo(f"serving {cfg.model_name} on http://{shown}:{sock.getsockname()[1]}/v1 (engine {engine})")
+    where = f"http://{shown}:{sock.getsockname()[1]}/v1"
+    typer.echo(f"serving {cfg.model_name} on {where} (engine {engine}: {engine_reason})")
     eng.start()
     try:
         run_forever(app, sock, log_level=log_level)

@@ -1,6 +1,6 @@
 """Layer 2: inference engines. ``BuiltinEngine`` is the built-in transformers engine (CPU default, tests);
 ``VllmEngine`` (``tandem.engine.vllm``, the ``vllm`` extra) drives vLLM behind the same interface.
-``create_engine`` picks one by ``EngineConfig.kind``."""
+``create_engine`` picks one by ``EngineConfig.kind`` (``auto``: ``tandem.engine.choice``)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,15 @@ def create_engine(
     seed: int = 0,
     deterministic: bool = False,
 ) -> Any:
-    """The engine ``config.kind`` names, loaded from the local model directory ``path`` (not started).
-    ``deterministic`` (the run's ``train.deterministic``) is built-in only: batch-invariant forwards."""
-    if config.kind == "vllm":
+    """The engine ``config.kind`` names, loaded from the local model directory ``path`` (not started);
+    ``auto`` is resolved here by ``tandem.engine.choice.choose_engine``. ``deterministic`` (the run's
+    ``train.deterministic``) is built-in only: batch-invariant forwards."""
+    kind = config.kind
+    if kind == "auto":
+        from tandem.engine.choice import choose_engine
+
+        kind, _ = choose_engine(config, path, "train.deterministic=true" if deterministic else None)
+    if kind == "vllm":
         if deterministic:
             raise ValueError(
                 "deterministic mode (train.deterministic) needs engine.kind='builtin': vLLM's kernels are "

@@ -13,7 +13,8 @@ from typing import Any
 from tandem.model.chat import EOT
 
 # Qwen3ForCausalLM sizes. "default" is the shipped tandem-base (~5.8M params at vocab 4096); "smoke" is a
-# toy for tests that trains in seconds; "100m" (~100M params at vocab 4096) is for engine benchmarks.
+# toy for tests that trains in seconds; "15m", "30m" and "100m" (~15M, ~27M and ~100M params at vocab 4096)
+# are for engine benchmarks (where the built-in engine and vLLM cross over).
 SIZES: dict[str, dict[str, Any]] = {
     "default": dict(
         hidden_size=256,
@@ -32,6 +33,24 @@ SIZES: dict[str, dict[str, Any]] = {
         head_dim=32,
         intermediate_size=128,
         max_position_embeddings=256,
+    ),
+    "15m": dict(
+        hidden_size=384,
+        num_hidden_layers=8,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=1152,
+        max_position_embeddings=1024,
+    ),
+    "30m": dict(
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=1536,
+        max_position_embeddings=1024,
     ),
     "100m": dict(
         hidden_size=768,

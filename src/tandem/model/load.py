@@ -68,3 +68,31 @@ def load_model(path: str | Path, dtype: str = "float32") -> tuple[Any, Any]:
 def load_chat_format(path: str | Path) -> ChatTemplate:
     """The ``ChatTemplate`` over the tokenizer in ``path``."""
     return ChatTemplate(load_tokenizer(path))
+
+
+def checkpoint_parameters(path: str | Path) -> int | None:
+    """Number of parameters stored in the ``*.safetensors`` files of the model directory ``path``, read
+    from their headers only (no weights loaded; a tied embedding is stored, and counted, once). None when
+    the directory has no safetensors file or a header cannot be read (e.g. ``*.bin`` checkpoints)."""
+    import struct
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    try:
+        for f in files:
+            with f.open("rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                if size > 100_000_000:
+                    return None
+                header = json.loads(fh.read(size))
+            for name, info in header.items():
+                if name != "__metadata__":
+                    count = 1
+                    for dim in info["shape"]:
+                        count *= int(dim)
+                    total += count
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return total

@@ -24,6 +24,7 @@ def eval_model(
     import torch
 
     from tandem.engine import create_engine
+    from tandem.engine.choice import builtin_only_setting, choose_engine
     from tandem.env.sources import tasks_for
     from tandem.model import load_chat_format
     from tandem.rollout import RolloutWorker, evaluate
@@ -33,9 +34,10 @@ def eval_model(
         raise ValueError(f"--split must be 'heldout' or 'train', got {split!r}")
     torch.set_num_threads(max(1, cfg.engine.threads))
     chat = load_chat_format(model_path)
+    kind, _ = choose_engine(cfg.engine, model_path, builtin_only_setting(cfg))
     engine = create_engine(
         model_path,
-        cfg.engine,
+        cfg.engine.model_copy(update={"kind": kind}),
         dtype=cfg.model.dtype,
         seed=cfg.train.seed,
         deterministic=cfg.train.deterministic,

@@ -148,6 +148,7 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
     cores = result.machine_busy_cores
     summary: dict[str, Any] = {
         "mode": cfg.orchestrator.mode,
+        "engine": cfg.engine.kind,
         "steps": result.steps,
         "version": result.version,
         "wall_s": round(result.wall_s, 2),
@@ -165,7 +166,7 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
     lines = [
         f"# tandem run report ({cfg.orchestrator.mode})",
         "",
-        f"- model: `{cfg.model.path}`",
+        f"- model: `{cfg.model.path}`, served by the `{cfg.engine.kind}` engine",
         f"- steps: {result.steps} (final version {result.version}), wall time {result.wall_s:.1f} s",
         f"- samples: {result.samples} ({result.samples_per_s:.2f}/s)",
         f"- trainer busy {result.trainer_busy:.2f}, engine busy {result.engine_busy:.2f}"

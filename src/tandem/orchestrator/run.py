@@ -81,8 +81,10 @@ def init_ray(cfg: RunConfig) -> None:
 
 def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
     """Run RL training as configured; returns what it measured and writes the run directory."""
+    from tandem.engine.choice import resolve_run_engine
     from tandem.train.checkpoint import latest_checkpoint
 
+    cfg, engine_reason = resolve_run_engine(cfg)  # engine.kind 'auto' -> the engine every actor runs
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(dump_config(cfg))
     resume_dir = None
@@ -131,6 +133,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
 
     logger = MetricsLogger(run_dir, append=resume)
     progress = ProgressLine(o.steps, quiet=quiet)
+    progress.note(f"engine: {cfg.engine.kind} ({engine_reason})")
     eval_tasks = heldout_tasks(cfg)
     eval_before = None
     if cfg.eval.before_after and not resume:

@@ -1,0 +1,138 @@
+"""engine.kind = "auto": the built-in engine for small models and for what only it supports, vLLM from
+engine.vllm_from_params up when it can be imported (tandem.engine.choice)."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tandem.core.config import EngineConfig, RunConfig
+from tandem.engine import create_engine
+from tandem.engine.builtin import BuiltinEngine
+from tandem.engine.choice import choose_engine, resolve_run_engine
+from tandem.engine.vllm import vllm_available
+from tandem.model import build_model, num_params, qwen3_config
+from tandem.model.load import checkpoint_parameters
+
+SHIPPED = "models/tandem-base"
+SHIPPED_PARAMS = 5_771_264  # `tandem bench engine`'s model_params for the shipped shape
+
+
+def test_the_parameter_count_comes_from_the_safetensors_headers(tmp_path):
+    model = build_model(qwen3_config("smoke", vocab_size=600), seed=1)
+    model.save_pretrained(str(tmp_path))
+    assert checkpoint_parameters(tmp_path) == num_params(model)  # the tied embedding counted once
+    assert checkpoint_parameters(SHIPPED) == SHIPPED_PARAMS
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 16)  # a header length past the file
+    assert checkpoint_parameters(tmp_path) is None
+    assert checkpoint_parameters(tmp_path / "nowhere") is None
+
+
+def test_auto_keeps_a_model_below_the_threshold_on_the_builtin_engine_without_importing_vllm():
+    def probe():
+        raise AssertionError("vLLM must not be probed for a model the size already decides")
+
+    cfg = EngineConfig(vllm_from_params=SHIPPED_PARAMS + 1)
+    kind, reason = choose_engine(cfg, SHIPPED, vllm_probe=probe)
+    assert kind == "builtin"
+    assert "5,771,264 parameters < engine.vllm_from_params=5,771,265" in reason
+    assert isinstance(create_engine(SHIPPED, cfg), BuiltinEngine)  # create_engine resolves 'auto' too
+
+
+def test_auto_serves_the_shipped_model_on_vllm_when_it_can_be_imported():
+    kind, reason = choose_engine(EngineConfig(), SHIPPED)  # the default threshold, 5M
+    missing = vllm_available()
+    if missing is None:  # the test command installs the vllm extra
+        assert (kind, reason) == ("vllm", "auto: 5,771,264 parameters >= engine.vllm_from_params=5,000,000")
+    else:
+        assert kind == "builtin" and missing in reason
+    kind, reason = choose_engine(
+        EngineConfig(), SHIPPED, vllm_probe=lambda: "vLLM is not importable (no module)"
+    )
+    assert kind == "builtin"
+    assert reason == "auto: vLLM would serve this model, but vLLM is not importable (no module)"
+
+
+def test_an_explicit_kind_is_kept():
+    assert choose_engine(EngineConfig(kind="vllm"), SHIPPED)[0] == "vllm"
+    assert choose_engine(EngineConfig(kind="builtin", vllm_from_params=0), SHIPPED)[0] == "builtin"
+
+
+def test_an_unknown_size_stays_on_the_builtin_engine(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    kind, reason = choose_engine(EngineConfig(vllm_from_params=0), tmp_path)
+    assert kind == "builtin" and "parameter count" in reason and "unknown" in reason
+
+
+@pytest.mark.parametrize(
+    ("overrides", "setting"),
+    [
+        ({"train": {"deterministic": True}}, "train.deterministic=true"),
+        ({"rollout": {"top_p": 0.9}}, "rollout.top_p=0.9"),
+    ],
+)
+def test_a_run_that_needs_the_builtin_engine_gets_it(overrides, setting):
+    cfg = RunConfig(engine={"kind": "auto", "vllm_from_params": 0}, **overrides)  # valid with auto
+    resolved, reason = resolve_run_engine(cfg, vllm_probe=lambda: None)
+    assert resolved.engine.kind == "builtin" and reason == f"auto: {setting} needs the built-in engine"
+    assert cfg.engine.kind == "auto"  # the caller's config is not changed
+    with pytest.raises(ValueError, match="engine.kind='builtin'"):  # an explicit vllm is still refused
+        RunConfig(engine={"kind": "vllm"}, **overrides)
+
+
+def test_a_resolved_run_config_names_one_engine():
+    resolved, reason = resolve_run_engine(RunConfig(engine={"vllm_from_params": 0}), vllm_probe=lambda: None)
+    assert resolved.engine.kind == "vllm" and reason.startswith("auto: ")
+
+
+def test_an_unknown_kind_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="kind"):
+        EngineConfig(kind="tgi")
+
+
+@pytest.mark.slow
+def test_serve_resolves_auto_and_says_why(tmp_path):
+    build_model(qwen3_config("smoke", vocab_size=4096), seed=0).save_pretrained(str(tmp_path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(SHIPPED) / name).is_file():
+            shutil.copy(Path(SHIPPED) / name, tmp_path / name)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "tandem.cli.main", "serve", "--port", "0", "--model", str(tmp_path)]
+    cmd += ["--max-seq-len", "256", "--max-batch", "4", "--threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    killer = threading.Timer(120, proc.kill)  # a server that never prints its address ends the loop below
+    killer.start()
+    try:
+        url, seen = None, []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line)
+            m = re.search(
+                r"serving \S+ on (http://\S+/v1) \(engine builtin: auto: 336,320 parameters < ", line
+            )
+            if m:
+                url = m.group(1)
+                break
+        assert url, "".join(seen)
+        for _ in range(200):
+            try:
+                if httpx.get(url.removesuffix("/v1") + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        r = httpx.post(url + "/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        killer.cancel()
+        proc.terminate()
+        proc.wait(timeout=60)
