@@ -207,6 +207,28 @@ def test_an_update_lands_between_steps_of_running_sessions(engine):
     assert pauses and pauses[0] < 5.0 and engine.health()["version"] == v0 + 1
 
 
+def test_prefix_blocks_of_older_weights_are_never_reused(engine):
+    prompt = [20 + k % 2000 for k in range(300)]  # more than one KV block of the CPU build (128 tokens)
+
+    def hits_of(req: GenerationRequest) -> int:
+        before = engine.stats()["prefix_hit_tokens"]
+        engine.generate([req])
+        return engine.stats()["prefix_hit_tokens"] - before
+
+    req = GenerationRequest(prompt, SamplingParams(max_new_tokens=2, temperature=1.0, seed=1))
+    hits_of(req)
+    assert hits_of(req) > 0  # same version: the prompt's blocks are reused
+    runner = engine.submit(sampled(11, n=300))  # holds blocks, so resetting the prefix cache fails
+    start = engine.stats()["tokens_generated"]
+    while engine.stats()["tokens_generated"] < start + 10:
+        time.sleep(0.005)
+    same = {"model.norm.weight": engine._host["model.norm.weight"].clone().numpy()}
+    engine.update_weights(engine.version + 1, same)
+    assert hits_of(req) == 0  # the blocks the old version computed are not reused on the new one
+    assert hits_of(req) > 0
+    runner.result()
+
+
 def test_routing_capture_is_refused_on_cpu_with_the_reason():
     with pytest.raises(EngineError, match="routed_experts.*Triton"):
         VllmEngine(MODEL, EngineConfig(max_batch=2, max_seq_len=128), routed_experts=True)

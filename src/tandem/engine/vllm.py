@@ -448,8 +448,12 @@ class VllmEngine(RequestFront):
             output_kind=RequestOutputKind.CUMULATIVE,
         )
         rid = f"r{number}"
+        # Cached prefix blocks are salted with the weights' version: a request never reuses KV that older
+        # weights computed, even when reset_prefix_cache() after an update could not drop the blocks that
+        # running requests held (it then frees nothing; LRU evicts them later).
+        prompt = {"prompt_token_ids": [int(t) for t in request.prompt_ids], "cache_salt": f"v{self._version}"}
         try:
-            self._llm.add_request(rid, {"prompt_token_ids": [int(t) for t in request.prompt_ids]}, params)
+            self._llm.add_request(rid, prompt, params)
         except Exception as e:  # noqa: BLE001 - vLLM's own validation: report it on this request
             resolve(fut, error_completion(f"vLLM refused the request: {type(e).__name__}: {e}"))
             return
