@@ -4,12 +4,10 @@ engine.vllm_from_params up when it can be imported (tandem.engine.choice)."""
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -21,6 +19,7 @@ from tandem.engine.choice import choose_engine, resolve_run_engine
 from tandem.engine.vllm import vllm_available
 from tandem.model import build_model, num_params, qwen3_config
 from tandem.model.load import checkpoint_parameters
+from tandem.model.moe import write_model_dir
 
 SHIPPED = "models/tandem-base"
 SHIPPED_PARAMS = 5_771_264  # `tandem bench engine`'s model_params for the shipped shape
@@ -66,6 +65,12 @@ def test_an_explicit_kind_is_kept():
     assert choose_engine(EngineConfig(kind="builtin", vllm_from_params=0), SHIPPED)[0] == "builtin"
 
 
+def test_a_mixture_of_experts_model_stays_on_the_builtin_engine_on_cpu(tmp_path):
+    path = write_model_dir(tmp_path / "moe", "moe", tokenizer_dir=SHIPPED)
+    kind, reason = choose_engine(EngineConfig(vllm_from_params=0), path, vllm_probe=lambda: None)
+    assert kind == "builtin" and "mixture-of-experts" in reason
+
+
 def test_an_unknown_size_stays_on_the_builtin_engine(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
@@ -101,10 +106,7 @@ def test_an_unknown_kind_is_refused_naming_the_field():
 
 @pytest.mark.slow
 def test_serve_resolves_auto_and_says_why(tmp_path):
-    build_model(qwen3_config("smoke", vocab_size=4096), seed=0).save_pretrained(str(tmp_path))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (Path(SHIPPED) / name).is_file():
-            shutil.copy(Path(SHIPPED) / name, tmp_path / name)
+    write_model_dir(tmp_path, "smoke", tokenizer_dir=SHIPPED)  # 336,320 parameters at vocab 4096
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "tandem.cli.main", "serve", "--port", "0", "--model", str(tmp_path)]
     cmd += ["--max-seq-len", "256", "--max-batch", "4", "--threads", "1"]

@@ -5,9 +5,9 @@ Invariants:
 - ``choose_engine`` returns ``builtin`` or ``vllm`` (never ``auto``) and a one-line reason naming what
   decided it; an explicit ``builtin`` or ``vllm`` is returned unchanged.
 - The built-in engine is chosen whenever the caller needs it (a feature only it has), whenever vLLM cannot
-  be imported, and on CPU-only machines for models below ``EngineConfig.vllm_from_params`` parameters or of
-  unknown size. vLLM is imported only when the size (or CUDA) would choose it, since the import takes
-  seconds.
+  be imported, and on CPU-only machines for mixture-of-experts models (the crossover was measured on dense
+  ones) and for models below ``EngineConfig.vllm_from_params`` parameters or of unknown size. vLLM is
+  imported only when the size (or CUDA) would choose it, since the import takes seconds.
 - ``resolve_run_engine`` gives a run config whose ``engine.kind`` is concrete, so every engine actor of one
   run, its config.toml and a resume all use the same engine.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from tandem.core.config import EngineConfig, RunConfig
+from tandem.core.config import EngineConfig, RunConfig, model_is_moe
 
 
 def _vllm_probe() -> str | None:
@@ -50,6 +50,12 @@ def choose_engine(
     params = checkpoint_parameters(model_path)
     cuda = _cuda()
     if not cuda:
+        if model_is_moe(model_path):
+            return (
+                "builtin",
+                "auto: a mixture-of-experts model on CPU (where vLLM overtakes the built-in engine was "
+                "measured on dense models; the built-in engine also records routing for replay)",
+            )
         if params is None:
             return "builtin", f"auto: the parameter count of {str(model_path)!r} is unknown (no safetensors)"
         if params < config.vllm_from_params:
