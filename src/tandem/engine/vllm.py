@@ -404,7 +404,8 @@ class VllmEngine(RequestFront):
                 tensors = {n: self._host[n] for n in touched}
                 self._llm.collective_rpc(_worker_reload, args=(tensors, retie))
                 self._stats["weight_reload_s"] += time.perf_counter() - t1
-            self._llm.reset_prefix_cache()
+            if not self._active:  # with requests running it frees nothing (and vLLM warns): the salt suffices
+                self._llm.reset_prefix_cache()
             self._version = u.version
         except Exception as e:  # noqa: BLE001 - reported to the caller
             u.error = EngineError(f"update_weights to version {u.version} failed: {e}")
