@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from functools import partial
 
@@ -245,6 +246,9 @@ class TensorDecoder:
 _UNIFORM_GAPS = Table(np.ones(1, np.int64) << 14)  # placeholder gap table of Golomb-coded gaps (never read)
 
 
+_LITTLE = sys.byteorder == "little"
+
+
 @njit(**NJIT)
 def _read_chunk(
     buf: np.ndarray, pos: int, end: int, rows: int, counted: bool, size: int
@@ -266,13 +270,15 @@ def _read_chunk(
         return -1, -1, np.zeros((rows, 1), np.uint16), lens, np.zeros(3, np.uint64), 0
     rwords = np.zeros((rows, lens.max() + 1), np.uint16)
     for j in range(rows):
-        for k in range(lens[j]):
-            rwords[j, k] = np.uint16(buf[pos]) | (np.uint16(buf[pos + 1]) << np.uint16(8))
-            pos += 2
+        n = lens[j]
+        if _LITTLE:  # the stream's little-endian words are the row's bytes: one vectorised copy
+            rwords[j].view(np.uint8)[: 2 * n] = buf[pos : pos + 2 * n]
+        else:
+            for k in range(n):
+                rwords[j, k] = np.uint16(buf[pos + 2 * k]) | (np.uint16(buf[pos + 2 * k + 1]) << np.uint16(8))
+        pos += 2 * n
     bwords = np.zeros(nbytes // 8 + 3, np.uint64)
-    bbytes = bwords.view(np.uint8)
-    for k in range(nbytes):
-        bbytes[k] = buf[pos + k]
+    bwords.view(np.uint8)[:nbytes] = buf[pos : pos + nbytes]
     return count, pos + nbytes, rwords, lens, bwords, nbits
 
 
