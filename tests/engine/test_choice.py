@@ -99,9 +99,11 @@ def test_a_resolved_run_config_names_one_engine():
     assert resolved.engine.kind == "vllm" and reason.startswith("auto: ")
 
 
-def test_an_unknown_kind_is_refused_naming_the_field():
+def test_bad_engine_settings_are_refused_naming_the_field():
     with pytest.raises(ValueError, match="kind"):
         EngineConfig(kind="tgi")
+    with pytest.raises(ValueError, match="vllm_from_params"):
+        EngineConfig(vllm_from_params=-1)
 
 
 @pytest.mark.slow
