@@ -107,22 +107,27 @@ def test_bad_engine_settings_are_refused_naming_the_field():
 
 
 @pytest.mark.slow
-def test_serve_resolves_auto_and_says_why(tmp_path):
-    write_model_dir(tmp_path, "smoke", tokenizer_dir=SHIPPED)  # 336,320 parameters at vocab 4096
+@pytest.mark.parametrize(
+    ("engine", "small", "says"),
+    [
+        ("auto", True, "(engine builtin: auto: 336,320 parameters < engine.vllm_from_params=5,000,000"),
+        ("vllm", False, "(engine vllm: engine.kind='vllm' (set explicitly))"),
+    ],
+)
+def test_serve_runs_the_engine_it_names_and_answers(tmp_path, engine, small, says):
+    model = write_model_dir(tmp_path, "smoke", tokenizer_dir=SHIPPED) if small else SHIPPED  # 336,320 params
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "tandem.cli.main", "serve", "--port", "0", "--model", str(tmp_path)]
-    cmd += ["--max-seq-len", "256", "--max-batch", "4", "--threads", "1"]
+    cmd = [sys.executable, "-m", "tandem.cli.main", "serve", "--engine", engine, "--port", "0"]
+    cmd += ["--model", str(model), "--max-seq-len", "256", "--max-batch", "4", "--threads", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    killer = threading.Timer(120, proc.kill)  # a server that never prints its address ends the loop below
+    killer = threading.Timer(300, proc.kill)  # a server that never prints its address ends the loop below
     killer.start()
     try:
         url, seen = None, []
         assert proc.stdout is not None
         for line in proc.stdout:
             seen.append(line)
-            m = re.search(
-                r"serving \S+ on (http://\S+/v1) \(engine builtin: auto: 336,320 parameters < ", line
-            )
+            m = re.search(r"serving \S+ on (http://\S+/v1) " + re.escape(says), line)
             if m:
                 url = m.group(1)
                 break

@@ -7,10 +7,6 @@ each test that changes them.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -274,37 +270,3 @@ def test_gateway_over_the_vllm_engine_is_token_exact(engine):
         assert httpx.get(server.url + "/health").status_code == 200
     finally:
         server.stop()
-
-
-@pytest.mark.slow
-def test_serve_command_runs_the_vllm_engine():
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "tandem.cli.main", "serve", "--engine", "vllm", "--port", "0"]
-    cmd += ["--model", str(MODEL), "--max-seq-len", "256", "--max-batch", "4", "--threads", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        url = None
-        deadline = time.monotonic() + 300
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            m = re.search(r"serving \S+ on (http://\S+/v1) \(engine vllm: ", line)
-            if m:
-                url = m.group(1)
-                break
-            assert time.monotonic() < deadline
-        assert url, "tandem serve --engine vllm did not print its address"
-        for _ in range(200):
-            try:
-                if httpx.get(url.removesuffix("/v1") + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        r = httpx.post(
-            url + "/chat/completions",
-            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5},
-            timeout=60,
-        )
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
