@@ -311,8 +311,8 @@ class EngineConfig(Section):
     vllm_from_params: int = Field(default=5_000_000, ge=0)
     """``kind = "auto"`` without CUDA: the parameter count from which vLLM serves a model (below it, the
     built-in engine). Measured on 2 CPU cores (docs/results.md): the built-in engine decodes 1.9x faster at
-    0.34M parameters; at the shipped 5.8M vLLM led in 3 of 4 ``tandem bench engine`` runs (1.14x) and
-    trained 1.14x more samples/s in the default run; vLLM 1.4x at 15M and 2.2x at 100M."""
+    0.34M parameters; at the shipped 5.8M vLLM led in 3 of 5 ``tandem bench engine`` runs (1.14x), tied in
+    one, and trained 1.14x more samples/s in the default run; vLLM 1.4x at 15M and 2.1-2.2x at 100M."""
     max_batch: int = 64
     """Most sessions decoded together in one step (continuous batching)."""
     max_seq_len: int = 1024
