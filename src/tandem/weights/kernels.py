@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+from numba.cpython.unsafe.numbers import trailing_zeros
 
 from tandem.weights.entropy import (
     ALPHABET,
@@ -346,41 +347,63 @@ def quad_scan(
 @njit(**NJIT)
 def escape_positions(quads: np.ndarray) -> tuple[np.ndarray, int]:
     """The element positions of the escapes (class 3) of a chunk's quads (fewer than 2**31 elements), in
-    order, and their number (the array has spare slots). Two branch-free passes: the quads that hold an
-    escape, then the four classes of each of those. int32 positions: with int64 ones (twice the memory)
-    the two passes take 2.5x longer."""
-    listed, count = _quads_with_escapes(quads)
-    return _positions_in_quads(quads, listed, count)
-
-
-@njit(**NJIT)
-def _quads_with_escapes(quads: np.ndarray) -> tuple[np.ndarray, int]:
-    listed = np.empty(quads.shape[0] + 1, np.int32)  # int32: half the memory traffic of int64, and faster
-    count = 0
-    for j in range(quads.shape[0]):
-        q = np.int32(quads[j])
-        listed[count] = j
-        count += (q & (q >> 1) & 0x55) != 0  # some class is 3
-    return listed, count
-
-
-@njit(**NJIT)
-def _positions_in_quads(quads: np.ndarray, listed: np.ndarray, count: int) -> tuple[np.ndarray, int]:
-    where = np.empty(4 * count + 1, np.int32)
+    order, and their number (the array may have spare slots). A branch-free pass turns each word of eight
+    quads into a 32-bit mask of its escapes (``_escape_masks``); then each 64-element block lists its set
+    bits, lowest first, one trailing-zero count per escape. Listing the quads that hold an escape and then
+    the classes of each took 1.8x longer on a trained model's delta (about 8% of its elements escape).
+    int32 positions: half the memory traffic of int64."""
+    nq = quads.shape[0]
+    masks, count = _escape_masks(quads)
+    nw = masks.shape[0]
+    where = np.empty(count + 4 * (nq - 8 * nw) + 1, np.int32)
     m = 0
-    for t in range(count):
-        j = listed[t]
+    one, half = np.uint64(1), np.uint64(32)
+    for b in range(nw // 2):
+        t = np.uint64(masks[2 * b]) | (np.uint64(masks[2 * b + 1]) << half)
+        base = np.int32(64 * b)
+        while t:
+            where[m] = base + np.int32(trailing_zeros(t))
+            m += 1
+            t &= t - one
+    if nw % 2:
+        t = np.uint64(masks[nw - 1])
+        base = np.int32(32 * (nw - 1))
+        while t:
+            where[m] = base + np.int32(trailing_zeros(t))
+            m += 1
+            t &= t - one
+    for j in range(8 * nw, nq):  # quads after the last whole word, branch-free (one spare slot)
         q = np.int32(quads[j])
-        b = 4 * j
-        where[m] = b
-        m += (q & 3) == 3
-        where[m] = b + 1
-        m += (q & 12) == 12
-        where[m] = b + 2
-        m += (q & 48) == 48
-        where[m] = b + 3
-        m += (q & 192) == 192
+        for k in range(4):
+            where[m] = 4 * j + k
+            m += ((q >> (2 * k)) & 3) == 3
     return where, m
+
+
+@njit(**NJIT)
+def _escape_masks(quads: np.ndarray) -> tuple[np.ndarray, int]:
+    """Bit ``k`` of mask ``j``: element ``32 * j + k`` is an escape, for the whole words of eight quads; and
+    the number of escapes there. Per word: the even bits of ``x & x >> 1`` mark the escapes, then five
+    shift-or-mask steps gather the even bits into the low half."""
+    nw = quads.shape[0] // 8
+    words = quads[: 8 * nw].view(np.uint64)
+    masks = np.empty(nw, np.uint32)
+    count = 0
+    one = np.uint64(1)
+    for j in range(nw):
+        x = words[j]
+        t = x & (x >> one) & np.uint64(0x5555555555555555)
+        c = t - ((t >> one) & np.uint64(0x5555555555555555))  # popcount of t (its bits are the escapes)
+        c = (c & np.uint64(0x3333333333333333)) + ((c >> np.uint64(2)) & np.uint64(0x3333333333333333))
+        c = (c + (c >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+        count += np.int64((c * np.uint64(0x0101010101010101)) >> np.uint64(56))
+        t = (t | (t >> one)) & np.uint64(0x3333333333333333)
+        t = (t | (t >> np.uint64(2))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+        t = (t | (t >> np.uint64(4))) & np.uint64(0x00FF00FF00FF00FF)
+        t = (t | (t >> np.uint64(8))) & np.uint64(0x0000FFFF0000FFFF)
+        t = (t | (t >> np.uint64(16))) & np.uint64(0xFFFFFFFF)
+        masks[j] = np.uint32(t)
+    return masks, count
 
 
 @njit(**NJIT)
