@@ -23,7 +23,7 @@ from tandem.weights.blob import (
 from tandem.weights.bound import entropy_bound_bits
 from tandem.weights.codec import CHUNK_LOG2, encode_tensor
 from tandem.weights.decoder import TensorDecoder, decode_tensor
-from tandem.weights.kernels import GAP_GOLOMB, GAP_TABLE
+from tandem.weights.kernels import GAP_GOLOMB, GAP_TABLE, escape_positions
 
 SPECIALS = [np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -1e-40, 65504.0, -1.0]
 
@@ -88,6 +88,24 @@ def test_dense_changes_take_the_quad_mode_bit_exactly_with_every_tail(kind, n):
         t()
     dec.patch().apply(live)
     assert live.tobytes() == cur.tobytes()
+
+
+@pytest.mark.parametrize("escape_rate", [0.0, 0.08, 0.5, 1.0])
+def test_escape_positions_list_every_class_3_element_in_order(escape_rate):
+    """Every quad count from 0 to 80 (whole 8-quad words, an odd number of them, and 0-7 quads after the
+    last one), on an unaligned slice as well."""
+    rng = np.random.default_rng(int(escape_rate * 100))
+    for nq in range(81):
+        classes = rng.integers(0, 3, 4 * nq)
+        classes[rng.random(4 * nq) < escape_rate] = 3
+        quads = (classes.reshape(nq, 4) << np.array([0, 2, 4, 6])).sum(axis=1).astype(np.uint8)
+        expected = np.flatnonzero(classes == 3)
+        unaligned = np.empty(nq + 1, np.uint8)[1:]
+        unaligned[:] = quads
+        for q in (quads, unaligned):
+            where, m = escape_positions(q)
+            assert m == expected.shape[0]
+            assert where[:m].tolist() == expected.tolist()
 
 
 def test_quad_blob_is_the_same_whether_escapes_are_kept_from_the_scan_or_scanned_again(monkeypatch):
