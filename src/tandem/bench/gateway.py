@@ -3,7 +3,8 @@
 Workload: ``sessions`` concurrent agent sessions of ``turns`` turns each (the built-in tasks' prompts and
 tools); every turn samples exactly ``max_tokens`` tokens (temperature 1, ``ignore_eos``, so both sides
 generate the same number of tokens) and the next turn sends the history back plus one tool message. Both
-sides run on the same ``BuiltinEngine`` in this process, in the same run:
+sides run on the same engine in this process, in the same run (``engine``: ``auto``, as ``tandem serve``
+picks it, ``builtin`` or ``vllm``):
 
 - in-process: the prompt ids are built the way the harness builds them (``render_prompt`` once, then the
   sampled ids, the end-of-turn token when the turn was cut, and ``render_continuation`` of the tool message)
@@ -46,7 +47,9 @@ import torch
 from tandem.core.config import EngineConfig, TaskConfig
 from tandem.core.generation import GenerationRequest, SamplingParams
 from tandem.core.procs import cpu_ticks, steal_fraction
-from tandem.engine.builtin import BuiltinEngine
+from tandem.engine.front import RequestFront
+
+ENGINES = ("auto", "builtin", "vllm")
 
 TOOL_RESULT = "exit 0\nstdout:\n2 passed, 0 failed (round {r}, session {i}, turn {t})\n"
 
@@ -70,7 +73,7 @@ def _seed(r: int, i: int, t: int) -> int:
     return 1_000_000 * r + 1000 * i + t
 
 
-def _in_process(engine: BuiltinEngine, chat: Any, r: int, sessions: int, turns: int, max_tokens: int) -> dict:
+def _in_process(engine: RequestFront, chat: Any, r: int, sessions: int, turns: int, max_tokens: int) -> dict:
     opening, tools = _workload(sessions, r)
     eot = int(chat.stop_token_ids[0])
     ctx = [chat.render_prompt(m, tools) for m in opening]
@@ -224,6 +227,7 @@ def run_gateway_bench(
     threads: int = 2,
     repeats: int = 3,
     client_procs: int = 1,
+    engine_kind: str = "auto",
 ) -> dict[str, Any]:
     """Run both sides (see module docstring) and return the benchmark's JSON object."""
     if min(sessions, turns, max_tokens, repeats, client_procs) < 1 or client_procs > sessions:
@@ -231,14 +235,27 @@ def run_gateway_bench(
             f"sessions, turns, max_tokens, repeats and client_procs must be >= 1 (client_procs <= sessions), "
             f"got {sessions}, {turns}, {max_tokens}, {repeats}, {client_procs}"
         )
+    if engine_kind not in ENGINES:
+        raise ValueError(f"engine {engine_kind!r} is unknown; choose one of {', '.join(ENGINES)}")
+    from tandem.engine import create_engine
+    from tandem.engine.choice import choose_engine
     from tandem.engine.gateway import GatewayConfig, GatewayServer, create_app
     from tandem.model import load_chat_format
 
+    cfg = EngineConfig(
+        kind=engine_kind, max_batch=sessions, max_seq_len=1024, max_parked=sessions, threads=threads
+    )
+    kind, engine_reason = choose_engine(cfg, model_path)
+    if kind == "vllm":
+        from tandem.engine.vllm import vllm_available
+
+        why_not = vllm_available()
+        if why_not is not None:
+            raise ValueError(f"engine 'vllm': {why_not}")
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     chat = load_chat_format(model_path)
-    cfg = EngineConfig(max_batch=sessions, max_seq_len=1024, max_parked=sessions, threads=threads)
-    engine = BuiltinEngine.from_path(model_path, cfg, seed=0)
+    engine = create_engine(model_path, cfg.model_copy(update={"kind": kind}), seed=0)
     gw_cfg = GatewayConfig(max_concurrent=max(64, sessions), max_sessions=max(1024, 2 * sessions))
     server = GatewayServer(create_app(engine, chat, chat.tokenizer, gw_cfg)).start()
     clients: list[_Client] = []
@@ -288,6 +305,8 @@ def run_gateway_bench(
         "repeats": repeats,
         "client": f"openai {clients[0].info.get('openai')} AsyncOpenAI, {client_procs} process(es)",
         "client_procs": client_procs,
+        "engine": kind,
+        "engine_reason": engine_reason,
         "gateway_records": records,
         # share of CPU time a VM host took during the run (noise indicator)
         "cpu_steal_frac": None if steal is None else round(steal, 3),

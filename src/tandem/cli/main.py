@@ -366,6 +366,9 @@ def bench_gateway(
     threads: Annotated[int, typer.Option(help="Torch threads.")] = 2,
     repeats: Annotated[int, typer.Option(help="Timed rounds per side; the best counts.")] = 3,
     client_procs: Annotated[int, typer.Option(help="Client (harness) processes sharing the sessions.")] = 1,
+    engine: Annotated[
+        str, typer.Option(help="auto (what tandem serve picks) | builtin | vllm; both sides use it.")
+    ] = "auto",
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """The OpenAI gateway (official openai client, real HTTP) vs the same engine called in-process."""
@@ -382,6 +385,7 @@ def bench_gateway(
             threads=threads,
             repeats=repeats,
             client_procs=client_procs,
+            engine_kind=engine,
         )
     except ValueError as e:
         fail(str(e))

@@ -1,0 +1,41 @@
+"""`tandem bench gateway` at a tiny size through the CLI: both sides generate every token, the gateway's
+records are token-exact, the engine and the reason for it are reported; bad settings exit 2 naming them."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tandem.cli.main", "bench", "gateway", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_bench_gateway_runs_both_sides_on_the_named_engine_with_token_exact_records():
+    small = ["--sessions", "4", "--turns", "2", "--max-tokens", "4", "--repeats", "1", "--threads", "1"]
+    r = _bench("--json", "--engine", "builtin", *small)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["engine"] == "builtin" and "set explicitly" in out["engine_reason"]
+    assert out["tokens_per_round"] == 4 * 2 * 4 and out["requests_per_round"] == 4 * 2
+    assert out["in_process_tokens_per_s"] > 0 and out["gateway_tokens_per_s"] > 0
+    ratio = out["gateway_tokens_per_s"] / out["in_process_tokens_per_s"]  # both rounded to 0.1 token/s
+    assert abs(out["overhead"] - (1 - ratio)) < 1e-3
+    records = out["gateway_records"]
+    assert records["token_exact_records"] is True
+    assert records["segments"] == 4 and records["sampled_tokens"] == 4 * 2 * 4 and records["reasons"] == []
+    assert out["client"].startswith("openai ") and out["client_procs"] == 1
+
+
+def test_bench_gateway_refuses_an_unknown_engine_and_bad_sizes_naming_them():
+    r = _bench("--engine", "tgi")
+    assert r.returncode == 2
+    assert "'tgi'" in r.stderr and "auto, builtin, vllm" in r.stderr
+    r = _bench("--sessions", "2", "--client-procs", "3")
+    assert r.returncode == 2
+    assert "client_procs" in r.stderr and "3" in r.stderr
