@@ -21,15 +21,15 @@ gateway's session records are checked: one segment per session (the history matc
 re-rendered) of the expected length. Sets torch threads (restored on return).
 
 What the overhead contains (measured on 2 cores): the server's work per request (about 1 ms of CPU, in a
-thread of the engine's process) and the client's (about 2 ms per request for ``openai``), on the same cores
-as the engine; and the turn boundaries: the sessions run in lockstep, in-process resubmits all of them at
-once, while the server answers them one at a time and the client sends the next turns back spread over
-tens of milliseconds. An idle engine gathers such a burst (``EngineConfig.gather_idle_ms``,
-``gather_idle_max_ms``: it waits for the sessions that just finished a turn), so both sides start each turn
-as one batch; what remains is the engine idle at each boundary while the responses go out and the next
-requests come back. Before the engine gathered, it started the first arrivals at once, and their decode
-steps slowed the server still answering the rest (about 100-200 ms of spread per boundary instead of
-50-60). More tokens per turn (``max_tokens``) amortise all of it.
+thread of the engine's process) and the client's (about 2 ms per request for ``openai``; the JSON's
+``client_cpu_ms_per_request``), on the same cores as the engine; and the turn boundaries: the sessions run
+in lockstep, in-process resubmits all of them at once, while the server answers them one at a time and the
+client sends the next turns back spread over tens of milliseconds. An idle engine gathers such a burst
+(``EngineConfig.gather_idle_ms``, ``gather_idle_max_ms``: it waits for the sessions that just finished a
+turn), so both sides start each turn as one batch; what remains is the engine idle at each boundary while
+the responses go out and the next requests come back. Before the engine gathered, it started the first
+arrivals at once, and their decode steps slowed the server still answering the rest (about 100-200 ms of
+spread per boundary instead of 50-60). More tokens per turn (``max_tokens``) amortise all of it.
 """
 
 from __future__ import annotations
@@ -128,9 +128,9 @@ async def _client_round(client: Any, spec: dict[str, Any]) -> dict[str, Any]:
             messages.append({"role": "tool", "content": TOOL_RESULT.format(r=r, i=i, t=t + 1)})
         return n
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     counts = await asyncio.gather(*(session(first + i, m) for i, m in enumerate(spec["opening"])))
-    return {"wall_s": time.perf_counter() - t0, "tokens": sum(counts)}
+    return {"wall_s": time.perf_counter() - t0, "tokens": sum(counts), "cpu_s": time.process_time() - cpu0}
 
 
 def _client_main(base_url: str) -> None:
@@ -216,7 +216,11 @@ def _gateway_round(clients: list[_Client], spec: dict[str, Any]) -> dict[str, An
         lo, hi = j * size, min((j + 1) * size, n)
         c.send({**spec, "opening": spec["opening"][lo:hi], "first": lo})
     outs = [c.receive() for c in clients]
-    return {"wall_s": time.perf_counter() - t0, "tokens": sum(o["tokens"] for o in outs)}
+    return {
+        "wall_s": time.perf_counter() - t0,
+        "tokens": sum(o["tokens"] for o in outs),
+        "client_cpu_s": sum(o["cpu_s"] for o in outs),
+    }
 
 
 def run_gateway_bench(
@@ -305,6 +309,10 @@ def run_gateway_bench(
         "repeats": repeats,
         "client": f"openai {clients[0].info.get('openai')} AsyncOpenAI, {client_procs} process(es)",
         "client_procs": client_procs,
+        # the harness side's own work: CPU of the client processes per request, mean of the timed rounds
+        "client_cpu_ms_per_request": round(
+            1000 * sum(x["client_cpu_s"] for x in gateway[1:]) / (repeats * sessions * turns), 3
+        ),
         "engine": kind,
         "engine_reason": engine_reason,
         "gateway_records": records,
