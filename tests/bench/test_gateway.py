@@ -2,23 +2,11 @@
 records are token-exact, the engine and the reason for it are reported; bad settings exit 2 naming them."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
 
 
-def _bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tandem.cli.main", "bench", "gateway", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-
-
-def test_bench_gateway_runs_both_sides_on_the_named_engine_with_token_exact_records():
+def test_bench_gateway_runs_both_sides_on_the_named_engine_with_token_exact_records(bench_cli):
     small = ["--sessions", "4", "--turns", "2", "--max-tokens", "4", "--repeats", "1", "--threads", "1"]
-    r = _bench("--json", "--engine", "builtin", *small)
+    r = bench_cli("gateway", "--json", "--engine", "builtin", *small)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["engine"] == "builtin" and "set explicitly" in out["engine_reason"]
@@ -33,10 +21,10 @@ def test_bench_gateway_runs_both_sides_on_the_named_engine_with_token_exact_reco
     assert 0 < out["client_cpu_ms_per_request"] < 1000
 
 
-def test_bench_gateway_refuses_an_unknown_engine_and_bad_sizes_naming_them():
-    r = _bench("--engine", "tgi")
+def test_bench_gateway_refuses_an_unknown_engine_and_bad_sizes_naming_them(bench_cli):
+    r = bench_cli("gateway", "--engine", "tgi")
     assert r.returncode == 2
     assert "'tgi'" in r.stderr and "auto, builtin, vllm" in r.stderr
-    r = _bench("--sessions", "2", "--client-procs", "3")
+    r = bench_cli("gateway", "--sessions", "2", "--client-procs", "3")
     assert r.returncode == 2
     assert "client_procs" in r.stderr and "3" in r.stderr

@@ -3,23 +3,11 @@ R3 on the tiny MoE agrees with the sampler's routing, the targets are booleans, 
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
 
 
-def _bench(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tandem.cli.main", "bench", "mismatch", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-
-
-def test_bench_mismatch_prints_every_setting_and_r3_agrees():
+def test_bench_mismatch_prints_every_setting_and_r3_agrees(bench_cli):
     sizes = ["--prompts", "2", "--prompt-len", "8", "--new-tokens", "6", "--threads", "1", "--repeats", "2"]
-    r = _bench("--json", *sizes)
+    r = bench_cli("mismatch", "--json", *sizes, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     rows = out["settings"]

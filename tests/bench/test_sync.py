@@ -1,19 +1,10 @@
 """`tandem bench sync` end to end at its smallest: one relay, one engine, one delta, real Ray and HTTP."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[2]
 
 
-def test_bench_sync_prints_its_json_and_the_delta_is_far_smaller():
-    r = subprocess.run(
-        [sys.executable, "-m", "tandem.cli.main", "bench", "sync", "--json",
-         "--relays", "1", "--engines", "1", "--deltas", "1", "--size", "default"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+def test_bench_sync_prints_its_json_and_the_delta_is_far_smaller(bench_cli):
+    r = bench_cli("sync", "--json", "--relays", "1", "--engines", "1", "--deltas", "1", "--size", "default")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     for key in ("bandwidth_mbps", "relays", "engines", "delta_s", "full_s", "speedup", "bound_s", "pause_ms",
@@ -35,24 +26,12 @@ def test_bench_sync_prints_its_json_and_the_delta_is_far_smaller():
     assert 0 < parts["engine_pause_s"] < parts["engine_total_s"] <= out["delta_s"]
 
 
-def test_bench_sync_rejects_bad_counts():
-    r = subprocess.run(
-        [sys.executable, "-m", "tandem.cli.main", "bench", "sync", "--relays", "0"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+def test_bench_sync_rejects_bad_counts(bench_cli):
+    r = bench_cli("sync", "--relays", "0", timeout=120)
     assert r.returncode == 2 and "relays" in r.stderr
-    r = subprocess.run(
-        [sys.executable, "-m", "tandem.cli.main", "bench", "sync", "--size", "1t"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    r = bench_cli("sync", "--size", "1t", timeout=120)
     assert r.returncode == 2 and "size '1t'" in r.stderr
-    r = subprocess.run(
-        [sys.executable, "-m", "tandem.cli.main", "bench", "sync", "--warmup-deltas", "-1"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    r = bench_cli("sync", "--warmup-deltas", "-1", timeout=120)
     assert r.returncode == 2 and "warmup_deltas=-1" in r.stderr
-    r = subprocess.run(
-        [sys.executable, "-m", "tandem.cli.main", "bench", "sync", "--engines", "2", "--busy-engines", "3"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    r = bench_cli("sync", "--engines", "2", "--busy-engines", "3", timeout=120)
     assert r.returncode == 2 and "busy_engines=3" in r.stderr
