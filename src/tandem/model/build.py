@@ -12,55 +12,32 @@ from typing import Any
 
 from tandem.model.chat import EOT
 
+
+def _dense(
+    hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, head_dim: int = 64,
+    context: int = 1024,
+) -> dict[str, Any]:  # fmt: skip
+    """One dense preset's ``Qwen3Config`` fields."""
+    return dict(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate,
+        max_position_embeddings=context,
+    )
+
+
 # Qwen3ForCausalLM sizes. "default" is the shipped tandem-base (~5.8M params at vocab 4096); "smoke" is a
 # toy for tests that trains in seconds; "15m", "30m" and "100m" (~15M, ~27M and ~100M params at vocab 4096)
 # are for engine benchmarks (where the built-in engine and vLLM cross over).
 SIZES: dict[str, dict[str, Any]] = {
-    "default": dict(
-        hidden_size=256,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=768,
-        max_position_embeddings=1024,
-    ),
-    "smoke": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        intermediate_size=128,
-        max_position_embeddings=256,
-    ),
-    "15m": dict(
-        hidden_size=384,
-        num_hidden_layers=8,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=1152,
-        max_position_embeddings=1024,
-    ),
-    "30m": dict(
-        hidden_size=512,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=64,
-        intermediate_size=1536,
-        max_position_embeddings=1024,
-    ),
-    "100m": dict(
-        hidden_size=768,
-        num_hidden_layers=13,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        head_dim=64,
-        intermediate_size=2560,
-        max_position_embeddings=1024,
-    ),
+    "default": _dense(hidden=256, layers=6, heads=4, kv_heads=2, intermediate=768),
+    "smoke": _dense(hidden=64, layers=2, heads=2, kv_heads=1, intermediate=128, head_dim=32, context=256),
+    "15m": _dense(hidden=384, layers=8, heads=6, kv_heads=2, intermediate=1152),
+    "30m": _dense(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536),
+    "100m": _dense(hidden=768, layers=13, heads=12, kv_heads=4, intermediate=2560),
 }
 
 
