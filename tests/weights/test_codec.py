@@ -109,8 +109,9 @@ def test_escape_positions_list_every_class_3_element_in_order(escape_rate):
 
 
 def test_quad_blob_is_the_same_whether_escapes_are_kept_from_the_scan_or_scanned_again(monkeypatch):
-    """A chunk with many escapes is scanned again at encode time instead of holding their codes in memory
-    (``KEEP_ESCAPES``); both paths must write the same bytes."""
+    """A chunk with many escapes keeps their codes from scan to encode only within the ``KEEP_ESCAPES``
+    fraction or the encode's ``EscapeBudget``, else it is scanned again at encode time; every path must
+    write the same bytes, and each must be the one taken."""
     import tandem.weights.codec as codec
 
     rng = np.random.default_rng(7)
@@ -120,12 +121,36 @@ def test_quad_blob_is_the_same_whether_escapes_are_kept_from_the_scan_or_scanned
     step = np.where(pick < 0.3, 1, np.where(pick < 0.6, -1, 0))
     step[pick >= 0.75] = rng.integers(2, 3000, int((pick >= 0.75).sum()))  # 25% escapes
     cur = _key_step(prev, step, 16)
-    blobs = []
-    for keep in (0.0, 1.0):
+    blobs, kept = [], []
+    # (fraction, budget bytes): kept by the fraction, kept by the budget, scanned again
+    for keep, budget in ((1.0, 0), (0.0, None), (0.0, 0)):
         monkeypatch.setattr(codec, "KEEP_ESCAPES", keep)
-        blobs.append(roundtrip(prev, cur))
+        enc = codec.TensorEncoder("t", prev, cur, codec.EscapeBudget(budget))
+        codec.run_tasks(enc.scan_tasks(), 1)
+        kept.append(enc.scans[0].esyms is not None)
+        left = enc.budget.left
+        enc.plan()
+        codec.run_tasks(enc.encode_tasks(), 1)
+        blobs.append(enc.blob())
+        assert decode_tensor(prev, blobs[-1]).tobytes() == cur.tobytes()
+        if budget is None:  # the budget paid for what the chunk kept
+            assert left < codec.KEEP_ESCAPES_BYTES
+    assert kept == [True, True, False]
     assert mode_of(blobs[0]) == QUAD
-    assert blobs[0] == blobs[1]
+    assert blobs[0] == blobs[1] == blobs[2]
+    assert roundtrip(prev, cur) == blobs[0]
+
+
+def test_escape_budget_is_shared_and_never_overdrawn():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tandem.weights.codec import EscapeBudget
+
+    budget = EscapeBudget(1000)
+    with ThreadPoolExecutor(4) as ex:
+        granted = list(ex.map(lambda _: budget.take(7), range(400)))
+    assert sum(granted) == 1000 // 7 and budget.left == 1000 % 7
+    assert not budget.take(budget.left + 1) and budget.take(budget.left)
 
 
 def _key_step(bits: np.ndarray, step: np.ndarray, width: int) -> np.ndarray:

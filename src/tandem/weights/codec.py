@@ -16,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,8 +49,9 @@ ZSTD_LEVEL = 3
 DENSE_FROM = 0.2  # density from which the dense decoder (per element) beats the sparse one (per change)
 SPEED_BIAS = 1.03  # the slower mode must be this much smaller to be chosen
 KEEP_ESCAPES = 1 / 8  # a chunk keeps its escapes' codes (~3 bytes each) from scan to encode up to this
-# fraction of its elements; above it, which bounds what a dense delta of a large model holds at once, the
-# encode phase scans the chunk again
+# fraction of its elements, and beyond it while the encode's ``EscapeBudget`` lasts; a chunk that gets
+# neither is scanned again in the encode phase (which bounds what a dense delta of a large model holds)
+KEEP_ESCAPES_BYTES = 64 << 20  # an encode's EscapeBudget: bytes of escape codes kept beyond KEEP_ESCAPES
 DENSE_BIAS = 1.10  # the dense mode decodes ~3x slower than the quad mode: it must be this much smaller
 
 Task = Callable[[], None]
@@ -125,6 +127,25 @@ def _total(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.sum(arrays, axis=0)
 
 
+class EscapeBudget:
+    """Bytes of escape codes the chunks of one encode may keep from scan to encode beyond the
+    ``KEEP_ESCAPES`` fraction (a dense delta's chunks, e.g. a small model's early RL steps, then skip their
+    second scan). Shared by the encode's tensors and thread-safe (scan tasks run in parallel): which chunks
+    get it depends on the order the tasks run, never the output."""
+
+    def __init__(self, nbytes: int | None = None) -> None:
+        self.left = KEEP_ESCAPES_BYTES if nbytes is None else nbytes
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` if that many are left."""
+        with self._lock:
+            if nbytes > self.left:
+                return False
+            self.left -= nbytes
+            return True
+
+
 @dataclass
 class _Scan:
     count: int
@@ -141,11 +162,15 @@ class _Scan:
 
 
 class TensorEncoder:
-    """Two phases of parallel tasks: ``scan_tasks``, ``plan()``, ``encode_tasks``, then ``blob()``."""
+    """Two phases of parallel tasks: ``scan_tasks``, ``plan()``, ``encode_tasks``, then ``blob()``. The
+    tensors of one encode share one ``budget`` (a new one when not given)."""
 
-    def __init__(self, name: str, prev: np.ndarray, cur: np.ndarray) -> None:
+    def __init__(
+        self, name: str, prev: np.ndarray, cur: np.ndarray, budget: EscapeBudget | None = None
+    ) -> None:
         check_pair(name, prev, cur)
         self.name = name
+        self.budget = EscapeBudget() if budget is None else budget
         self.prev = np.require(prev, requirements="C")
         self.cur = np.require(cur, requirements="C")
         self.spec = key_spec(prev.dtype)
@@ -193,7 +218,8 @@ class TensorEncoder:
             self.scans[k] = _Scan(K.dense_hist_of_quads(qhist, ehist, n, hist), None, None, hist)
         scan = self.scans[k]
         scan.quads, scan.escapes, scan.qhist, scan.ehist = quads, esyms.shape[0], qhist, ehist
-        if esyms.shape[0] <= n * KEEP_ESCAPES:  # else recomputed when encoding (see KEEP_ESCAPES)
+        m = esyms.shape[0]
+        if m <= n * KEEP_ESCAPES or self.budget.take(m + 8 * words):  # else scanned again when encoding
             scan.esyms, scan.ebits, scan.enbits = esyms, ebits[:words].copy(), enbits
 
     def _encode_fallback(self) -> None:

@@ -33,7 +33,7 @@ import zstandard
 
 from tandem.core.errors import TandemError
 from tandem.weights.blob import MODE_NAMES, CorruptDeltaError, parse_header
-from tandem.weights.codec import TensorEncoder, run_tasks
+from tandem.weights.codec import EscapeBudget, TensorEncoder, run_tasks
 from tandem.weights.decode_kernels import scatter_bits
 from tandem.weights.decoder import Patch, TensorDecoder
 from tandem.weights.seam import tensors_hash
@@ -105,7 +105,8 @@ def encode_delta(
     """Encode every tensor of ``cur`` against ``prev`` on ``threads`` threads. Pass the versions' hashes when
     they are already known (the publisher has them) to skip hashing both models."""
     check_names(prev, cur)
-    encoders = [TensorEncoder(name, prev[name], cur[name]) for name in sorted(cur)]
+    budget = EscapeBudget()  # one for the whole version
+    encoders = [TensorEncoder(name, prev[name], cur[name], budget) for name in sorted(cur)]
     big_first = _by_size(encoders, lambda e: e.n)
     run_tasks([t for e in big_first for t in e.scan_tasks()], threads)
     for e in encoders:
