@@ -5,7 +5,7 @@ import json
 
 
 def test_bench_gateway_runs_both_sides_on_the_named_engine_with_token_exact_records(bench_cli):
-    small = ["--sessions", "4", "--turns", "2", "--max-tokens", "4", "--repeats", "1", "--threads", "1"]
+    small = ["--sessions", "4", "--turns", "2", "--max-tokens", "4", "--repeats", "2", "--threads", "1"]
     r = bench_cli("gateway", "--json", "--engine", "builtin", *small)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -14,6 +14,11 @@ def test_bench_gateway_runs_both_sides_on_the_named_engine_with_token_exact_reco
     assert out["in_process_tokens_per_s"] > 0 and out["gateway_tokens_per_s"] > 0
     ratio = out["gateway_tokens_per_s"] / out["in_process_tokens_per_s"]  # both rounded to 0.1 token/s
     assert abs(out["overhead"] - (1 - ratio)) < 1e-3
+    ip, gw = out["in_process_wall_s"], out["gateway_wall_s"]
+    assert len(ip) == len(gw) == 2  # timed rounds only; each side's warm-up is left out
+    paired = sum(1 - a / b for a, b in zip(ip, gw, strict=True)) / 2  # the median of two
+    slack = sum(0.0005 * (1 / b + a / b**2) for a, b in zip(ip, gw, strict=True))  # walls rounded to 1 ms
+    assert abs(out["overhead_paired_median"] - paired) <= slack + 1e-4
     records = out["gateway_records"]
     assert records["token_exact_records"] is True
     assert records["segments"] == 4 and records["sampled_tokens"] == 4 * 2 * 4 and records["reasons"] == []

@@ -16,7 +16,10 @@ picks it, ``builtin`` or ``vllm``):
 
 Each side runs one warm-up round, then ``repeats`` timed rounds, alternating sides; the best round of each
 counts (the least disturbed on a shared machine). Every round uses fresh session ids and slightly different
-prompts. throughput = generated tokens / wall time; ``overhead = 1 - gateway / in_process``. Afterwards the
+prompts. throughput = generated tokens / wall time; ``overhead = 1 - gateway / in_process``. Because the
+best of a few rounds per side moves with the machine's noise (three rounds gave 0.04-0.15 for one setting
+here, seven gave 0.11-0.12), the JSON also has ``overhead_paired_median``: the median over the timed rounds
+of ``1 - in_process_wall / gateway_wall`` of the two sides' rounds run back to back. Afterwards the
 gateway's session records are checked: one segment per session (the history matched every turn, nothing was
 re-rendered) of the expected length. Sets torch threads (restored on return).
 
@@ -229,7 +232,7 @@ def run_gateway_bench(
     turns: int = 3,
     max_tokens: int = 32,
     threads: int = 2,
-    repeats: int = 3,
+    repeats: int = 5,
     client_procs: int = 1,
     engine_kind: str = "auto",
 ) -> dict[str, Any]:
@@ -294,10 +297,13 @@ def run_gateway_bench(
     ip_wall = min(x["wall_s"] for x in in_proc[1:])
     gw_wall = min(x["wall_s"] for x in gateway[1:])
     ip_tps, gw_tps = expected / ip_wall, expected / gw_wall
+    paired = sorted(1 - a["wall_s"] / b["wall_s"] for a, b in zip(in_proc[1:], gateway[1:], strict=True))
+    paired_median = (paired[(len(paired) - 1) // 2] + paired[len(paired) // 2]) / 2
     return {
         "in_process_tokens_per_s": round(ip_tps, 1),
         "gateway_tokens_per_s": round(gw_tps, 1),
         "overhead": round(1 - gw_tps / ip_tps, 4),
+        "overhead_paired_median": round(paired_median, 4),
         "in_process_wall_s": [round(x["wall_s"], 3) for x in in_proc[1:]],
         "gateway_wall_s": [round(x["wall_s"], 3) for x in gateway[1:]],
         "sessions": sessions,

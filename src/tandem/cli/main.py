@@ -364,7 +364,7 @@ def bench_gateway(
     turns: Annotated[int, typer.Option(help="Turns per session.")] = 3,
     max_tokens: Annotated[int, typer.Option(help="Tokens sampled per turn (EOS ignored).")] = 32,
     threads: Annotated[int, typer.Option(help="Torch threads.")] = 2,
-    repeats: Annotated[int, typer.Option(help="Timed rounds per side; the best counts.")] = 3,
+    repeats: Annotated[int, typer.Option(help="Timed rounds per side; the best counts.")] = 5,
     client_procs: Annotated[int, typer.Option(help="Client (harness) processes sharing the sessions.")] = 1,
     engine: Annotated[
         str, typer.Option(help="auto (what tandem serve picks) | builtin | vllm; both sides use it.")
