@@ -412,3 +412,70 @@ def test_the_dense_histogram_from_quads_equals_the_one_from_listing_every_change
     changed = K.dense_hist_of_quads(qhist, ehist, n, from_quads)
     assert changed == count == int(np.count_nonzero(prev != cur))
     assert (from_quads[1] == listed[1]).all()
+
+
+def test_run_tasks_keeps_one_pool_per_thread_and_priority_and_waits_for_every_task():
+    """``run_tasks`` reuses the calling thread's pool (same worker threads across calls), a new one after the
+    thread's nice value changes (workers inherit their creator's priority), and on a task's error returns
+    only once every other task has finished, then raises it."""
+    import itertools
+    import os
+    import threading
+    import time
+
+    from tandem.weights.codec import run_tasks
+
+    tags = itertools.count()  # thread ids are reused once a thread exits; a tag on the Thread is not
+
+    def workers(n: int = 8) -> set[int]:
+        seen: set[int] = set()
+        gate = threading.Barrier(2, timeout=10)  # two tasks at once: both workers of the pool take part
+
+        def task() -> None:
+            me = threading.current_thread()
+            if not hasattr(me, "test_tag"):
+                me.test_tag = next(tags)
+            seen.add(me.test_tag)
+            gate.wait()
+
+        run_tasks([task] * n, 2)
+        return seen
+
+    def in_thread(fn):
+        box = {}
+        t = threading.Thread(target=lambda: box.update(out=fn()))
+        t.start()
+        t.join(60)
+        return box["out"]
+
+    def scenario() -> tuple[set[int], set[int], set[int], list[int]]:
+        first, again = workers(), workers()
+        os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + 1)  # this thread only
+        lowered = workers()
+        nice = []
+
+        def report() -> None:
+            nice.append(os.getpriority(os.PRIO_PROCESS, 0))
+            time.sleep(0.01)
+
+        run_tasks([report] * 4, 2)
+        return first, again, lowered, nice
+
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    first, again, lowered, nice = in_thread(scenario)
+    assert len(first) == 2 and first == again  # kept across calls
+    assert lowered.isdisjoint(first) and nice == [mine + 1] * 4  # new workers at the new priority
+    assert os.getpriority(os.PRIO_PROCESS, 0) == mine  # the test thread was not touched
+
+    done: list[int] = []
+
+    def slow(i: int) -> None:
+        time.sleep(0.05)
+        done.append(i)
+
+    def fail() -> None:
+        raise RuntimeError("task failed")
+
+    with pytest.raises(RuntimeError, match="task failed"):
+        run_tasks([fail] + [lambda i=i: slow(i) for i in range(3)], 2)
+    assert sorted(done) == [0, 1, 2]  # none still running when the error reached the caller
