@@ -204,7 +204,7 @@ class TensorEncoder:
         self.n = int(prev.size)
         self.chunks = chunk_ranges(self.n)
         self.scans: list[_Scan | None] = [None] * len(self.chunks)
-        self.parts: list[bytes] = [b""] * len(self.chunks)
+        self.parts: list[bytearray] = [bytearray()] * len(self.chunks)
         self.mode = IDENT
         self.changed = 0
         self._fallback: bytes | None = None
@@ -397,9 +397,9 @@ class TensorEncoder:
         return seal(out)
 
 
-def _chunk_part(counts: list[int], streams: list[np.ndarray], bwords: np.ndarray, nbits: int) -> bytes:
+def _chunk_part(counts: list[int], streams: list[np.ndarray], bwords: np.ndarray, nbits: int) -> bytearray:
     """One chunk: [change count], each rANS stream's word count, the bit count, then the streams' words
-    and the bit bytes."""
+    and the bit bytes (little-endian; each copied once, straight into the part)."""
     out = bytearray()
     for c in counts:
         write_varint(out, c)
@@ -407,9 +407,9 @@ def _chunk_part(counts: list[int], streams: list[np.ndarray], bwords: np.ndarray
         write_varint(out, int(st.shape[0]))
     write_varint(out, int(nbits))
     for st in streams:
-        out += st.astype("<u2").tobytes()
-    out += bwords.astype("<u8").tobytes()[: (nbits + 7) // 8]
-    return bytes(out)
+        out += memoryview(np.ascontiguousarray(st, "<u2"))  # no copy of a little-endian row slice
+    out += memoryview(np.ascontiguousarray(bwords, "<u8")).cast("B")[: (nbits + 7) // 8]
+    return out
 
 
 def encode_tensor(prev: np.ndarray, cur: np.ndarray, name: str = "tensor", threads: int = 1) -> bytes:
