@@ -17,7 +17,7 @@ picks it, ``builtin`` or ``vllm``):
 Each side runs one warm-up round, then ``repeats`` timed rounds, alternating sides; the best round of each
 counts (the least disturbed on a shared machine). Every round uses fresh session ids and slightly different
 prompts. throughput = generated tokens / wall time; ``overhead = 1 - gateway / in_process``. Because the
-best of a few rounds per side moves with the machine's noise (three rounds gave 0.04-0.15 for one setting
+best of a few rounds per side moves with the machine's noise (three rounds gave 0.05-0.15 for one setting
 here, seven gave 0.11-0.12), the JSON also has ``overhead_paired_median``: the median over the timed rounds
 of ``1 - in_process_wall / gateway_wall`` of the two sides' rounds run back to back. Afterwards the
 gateway's session records are checked: one segment per session (the history matched every turn, nothing was

@@ -204,7 +204,7 @@ class TensorEncoder:
         self.n = int(prev.size)
         self.chunks = chunk_ranges(self.n)
         self.scans: list[_Scan | None] = [None] * len(self.chunks)
-        self.parts: list[bytearray] = [bytearray()] * len(self.chunks)
+        self.parts: list[bytes | bytearray] = [b""] * len(self.chunks)
         self.mode = IDENT
         self.changed = 0
         self._fallback: bytes | None = None
