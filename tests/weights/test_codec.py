@@ -191,6 +191,43 @@ def test_quad_steps_wrap_like_the_key_model_on_every_boundary_and_an_unaligned_b
     assert decode_tensor(unaligned, blob).tobytes() == cur.tobytes()
 
 
+@pytest.mark.parametrize("width", [16, 32])
+def test_quad_escapes_round_the_saturated_byte_are_exact(width):
+    """The quad scan keeps each element's ``min(z, 255)`` in one byte and recomputes ``z`` from the elements
+    where the byte saturated: key steps whose zigzag code is just below, at and above 255 (and far beyond,
+    both directions, in every lane of a quad) must round-trip, and the escapes' histogram must equal the
+    one of every escape's own symbol."""
+    from tandem.weights.codec import key_spec
+    from tandem.weights.entropy import ALPHABET, bucket
+    from tandem.weights.kernels import QUAD_ALPHABET, quad_scan
+
+    rng = np.random.default_rng(7 + width)
+    dt = np.uint16 if width == 16 else np.uint32
+    n = 1 << 15
+    prev = rng.integers(0, 1 << width, n, dtype=np.uint64).astype(dt)
+    step = rng.choice([0, 0, -1, 1], n)
+    far = [2, -2, 8, -8, 126, 127, -127, -128, 128, -129, 129, 1000, -30000, 30001]  # z: 3, 4, ..., 253-258
+    at = rng.choice(n, 16 * len(far), replace=False)
+    step[at] = np.resize(far, at.size)
+    cur = _key_step(prev, step, width)
+    if width == 32:
+        prev, cur = prev.view(np.float32), cur.view(np.float32)
+    blob = roundtrip(prev, cur)
+    assert mode_of(blob) == QUAD
+
+    spec = key_spec(prev.dtype)
+    p, c = prev.view(spec.bits_dtype), cur.view(spec.bits_dtype)
+    qhist, ehist = np.zeros(QUAD_ALPHABET, np.int64), np.zeros(ALPHABET, np.int64)
+    esyms, _, _, _ = quad_scan(p, c, spec.sign, spec.mask, np.empty(n // 4, np.uint8), qhist, ehist)
+    key = lambda u: np.where(u & spec.sign, u ^ spec.mask, u | spec.sign).astype(np.int64)  # noqa: E731
+    d = key(c.astype(np.int64)) - key(p.astype(np.int64))
+    zs = ((d << 1) ^ (d >> 63)).tolist()
+    want = [bucket(z)[0] for z in zs if z >= 3]
+    assert max(zs) > 255 and 255 in zs and 254 in zs
+    assert esyms.tolist() == want
+    assert ehist.tolist() == np.bincount(want, minlength=ALPHABET).tolist()
+
+
 @pytest.mark.parametrize("kind", ["bf16", "float16", "float32"])
 def test_special_values_round_trip(kind):
     rng = np.random.default_rng(1)
