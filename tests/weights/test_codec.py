@@ -21,9 +21,10 @@ from tandem.weights.blob import (
     parse_header,
 )
 from tandem.weights.bound import entropy_bound_bits
-from tandem.weights.codec import CHUNK_LOG2, encode_tensor
+from tandem.weights.codec import CHUNK_LOG2, encode_tensor, key_spec
 from tandem.weights.decoder import TensorDecoder, decode_tensor
-from tandem.weights.kernels import GAP_GOLOMB, GAP_TABLE, escape_positions
+from tandem.weights.entropy import ALPHABET, bucket
+from tandem.weights.kernels import GAP_GOLOMB, GAP_TABLE, QUAD_ALPHABET, escape_positions, quad_scan
 
 SPECIALS = [np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -1e-40, 65504.0, -1.0]
 
@@ -197,10 +198,6 @@ def test_quad_escapes_round_the_saturated_byte_are_exact(width):
     where the byte saturated: key steps whose zigzag code is just below, at and above 255 (and far beyond,
     both directions, in every lane of a quad) must round-trip, and the escapes' histogram must equal the
     one of every escape's own symbol."""
-    from tandem.weights.codec import key_spec
-    from tandem.weights.entropy import ALPHABET, bucket
-    from tandem.weights.kernels import QUAD_ALPHABET, quad_scan
-
     rng = np.random.default_rng(7 + width)
     dt = np.uint16 if width == 16 else np.uint32
     n = 1 << 15
