@@ -365,18 +365,31 @@ def test_mismatched_tensors_are_refused_with_names():
         decode_tensor(np.zeros((2, 6), np.float32), blob)
 
 
-def test_prepared_patch_writes_only_changed_elements():
-    prev, cur = adam_like(300_000, 2e-6, "bf16")
+@pytest.mark.parametrize("kind", ["bf16", "float32"])
+def test_prepared_patch_writes_only_changed_elements(kind):
+    """A sparse patch over three chunks (each decodes into its own slice of the patch's arrays, here in
+    reverse order): the flat positions of exactly the changed elements and their new bit patterns."""
+    rng = np.random.default_rng(3)
+    prev = as_dtype(rng.standard_normal(2_500_003).astype(np.float32) * 0.02, kind)
+    cur_bits = prev.view(np.uint16 if kind == "bf16" else np.uint32).copy()
+    moved = rng.random(cur_bits.shape[0]) < 0.02
+    cur_bits[moved] += rng.integers(1, 40, int(moved.sum())).astype(cur_bits.dtype)
+    cur = cur_bits.view(prev.dtype)
     blob = encode_tensor(prev, cur)
     live = prev.copy()
     dec = TensorDecoder("w", live, blob, prepare=True)
-    for t in dec.tasks():
+    tasks = dec.tasks()
+    assert len(tasks) == 3
+    for t in reversed(tasks):
         t()
     patch = dec.patch()
     assert np.array_equal(live, prev)  # preparing writes nothing
+    changed = np.flatnonzero(prev != cur)
+    assert np.array_equal(patch.indices, changed)
+    assert patch.values.tobytes() == cur.view(patch.values.dtype)[changed].tobytes()
     written = patch.apply(live)
     assert live.tobytes() == cur.tobytes()
-    assert np.array_equal(written, np.flatnonzero(prev != cur))
+    assert np.array_equal(written, changed)
     assert MODE_NAMES[mode_of(blob)] == "sparse"
 
 

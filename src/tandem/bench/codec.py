@@ -17,7 +17,11 @@ Workloads (each yields consecutive published versions, bf16 as uint16 bit patter
   ``synthetic_warmup`` steps, then one version pair (published before and after one more step) is encoded.
 
 Measurement: all throughputs are GB (1e9 bytes) of raw new-weight bytes per second, best of ``repeats`` wall
-times (a shared machine is noisy), after a warm-up that compiles every numba kernel. ``encode_gbps`` /
+times (a shared machine is noisy), after a warm-up that compiles every numba kernel and one untimed run of
+each timed call: a process's first calls can pay the kernel for fresh memory (here, on a machine that had
+run for hours, one or both of a process's first two 256 MB decodes took 0.79-0.86 s, 0.69-0.73 s of it in
+the kernel, against 0.14-0.17 s for every later one; the synthetic workload's best of two then read 0.35
+GB/s where it had read 1.9). ``encode_gbps`` /
 ``decode_gbps`` / ``zstd1_encode_gbps`` run on one thread; ``*_threads{N}`` use N threads. Codec timings
 exclude the BLAKE3 version hashes (the publisher knows them; ``hash_gbps`` reports their cost) and decode
 timings write fresh arrays (allocation included). Baselines are compression ratios (raw new bytes /
@@ -137,7 +141,9 @@ def synthetic_versions(size_gb: float, lr: float, warmup: int, seed: int = 0) ->
 
 # ============================================================================ measurement
 def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
-    best, out = float("inf"), None
+    """The best wall time of ``repeats`` calls after one untimed call (see the module docstring), and the
+    last call's result."""
+    best, out = float("inf"), fn()
     for _ in range(repeats):
         t0 = time.perf_counter()
         out = fn()

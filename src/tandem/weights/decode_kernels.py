@@ -55,14 +55,33 @@ def decode_sparse_chunk(
     nbits: int,
     idx_out: np.ndarray,
     z_out: np.ndarray,
+    p: np.ndarray,
+    sign: int,
+    mask: int,
+    base: int,
+    vals_out: np.ndarray,
 ) -> int:
-    """Decode the ``n`` changes of a chunk of ``size`` elements into positions ``idx_out`` and changes
-    ``z_out`` (both of length ``n``); 0 on success, -1 if the streams are inconsistent. ``rwords`` rows are
-    the gap and diff streams (``rlens`` words each, rows padded by at least one zero word), ``bwords``
-    carries two words of padding. Touches no tensor memory (see ``patch_chunk``)."""
+    """Decode the ``n`` changes of a chunk of ``size`` elements; 0 on success, -1 if the streams are
+    inconsistent. ``rwords`` rows are the gap and diff streams (``rlens`` words each, rows padded by at least
+    one zero word), ``bwords`` carries two words of padding. Two outputs (arrays of length ``n``):
+
+    - ``vals_out`` empty: positions within the chunk into ``idx_out`` and changes into ``z_out``
+      (``p``, ``sign``, ``mask`` and ``base`` unused);
+    - else the patch itself: flat positions ``base + i`` into ``idx_out`` and new bit patterns
+      ``patched(p[i], z)`` into ``vals_out`` (``p`` the chunk's base elements, ``z_out`` unused). One pass,
+      no array of changes in between and no copies to offset and join the chunks' results: preparing a
+      100M-parameter model's delta (1.7M changes) took 57-77 ms against 65-85 ms for decoding, gathering
+      and joining apart. Loading the base in blocks of 64 changes after decoding them was no faster.
+
+    Reads ``p`` only at positions already checked against the chunk; touches no tensor memory (see
+    ``patch_chunk``)."""
     cols, nw = rwords.shape[1], bwords.shape[0]
     table = gap_mode == GAP_TABLE
+    values = vals_out.shape[0] > 0
     if cols <= max(rlens[0], rlens[1]) or rlens[1] < 2 or (table and rlens[0] < 2) or nw < 2:
+        return -1
+    outs_short = vals_out.shape[0] < n or p.shape[0] < size if values else z_out.shape[0] < n
+    if idx_out.shape[0] < n or outs_short:
         return -1
     xg = np.uint64(rwords[0, 0]) | (np.uint64(rwords[0, 1]) << np.uint64(16))
     xd = np.uint64(rwords[1, 0]) | (np.uint64(rwords[1, 1]) << np.uint64(16))
@@ -91,13 +110,18 @@ def decode_sparse_chunk(
         last = last + 1 + gap
         if last >= size or pos > nbits:
             return -1
-        idx_out[k] = last
         s = np.int64(dlut[xd & SLOT_MASK])
         xd, low = rans_dec(xd, dfreq[s], dcum[s], rwords[1, min(rd, cols - 1)])
         rd += low
         j = min(pos >> 6, nw - 2)
-        z_out[k] = BASE[s] + low_bits(peek(bwords[j], bwords[j + 1], pos & 63), NEXTRA[s])
+        zz = BASE[s] + low_bits(peek(bwords[j], bwords[j + 1], pos & 63), NEXTRA[s])
         pos += NEXTRA[s]
+        if values:
+            idx_out[k] = base + last
+            vals_out[k] = patched(np.int64(p[last]), zz, sign, mask)
+        else:
+            idx_out[k] = last
+            z_out[k] = zz
     ok_g = not table or (xg == np.uint64(RANS_L) and rg == rlens[0])
     return 0 if ok_g and xd == np.uint64(RANS_L) and rd == rlens[1] and pos == nbits else -1
 
@@ -109,13 +133,6 @@ def patch_chunk(p: np.ndarray, out: np.ndarray, idx: np.ndarray, z: np.ndarray, 
     for k in range(idx.shape[0]):
         i = idx[k]
         out[i] = patched(np.int64(p[i]), z[k], sign, mask)
-
-
-@njit(**NJIT)
-def new_values(p: np.ndarray, idx: np.ndarray, z: np.ndarray, sign: int, mask: int, out: np.ndarray) -> None:
-    """``out[k] = new(p[idx[k]], z[k])``: new bit patterns of the changed elements (``p`` is only read)."""
-    for k in range(idx.shape[0]):
-        out[k] = patched(np.int64(p[idx[k]]), z[k], sign, mask)
 
 
 @njit(**NJIT)

@@ -105,8 +105,7 @@ class TensorDecoder:
         )
         self.status: list[int] = []
         self.streams: list[_ChunkStream] = []
-        self._idx: list[np.ndarray] = []
-        self._vals: list[np.ndarray] = []
+        self._idx = self._vals = _NO_Z  # a sparse patch's flat positions and new values (see ``tasks``)
         if h.mode in (SPARSE, DENSE, QUAD):
             if self.spec is None:
                 raise CorruptDeltaError(f"delta blob of {name!r}: mode {h.mode} is invalid for {prev.dtype}")
@@ -153,8 +152,10 @@ class TensorDecoder:
         mode = self.header.mode
         self.status = [1] * len(self.streams)
         if mode == SPARSE:
-            self._idx = [np.zeros(0, np.int64)] * len(self.streams)
-            self._vals = [np.zeros(0, self.spec.bits_dtype)] * len(self.streams)
+            if self.out is None:  # the patch: every chunk decodes into its slice of the tensor's arrays
+                self._idx = np.empty(self.header.changed, np.int64)
+                self._vals = np.empty(self.header.changed, self.spec.bits_dtype)
+                self._first = np.cumsum([0] + [s.count for s in self.streams])
             return [partial(self._sparse, k) for k in range(len(self.streams))]
         if mode == DENSE:
             return [partial(self._dense, k) for k in range(len(self.streams))]
@@ -171,21 +172,21 @@ class TensorDecoder:
         s, t, g, spec = self.streams[k], self.table, self.gap_table, self.spec
         p = self.prev.reshape(-1).view(spec.bits_dtype)[s.start : s.stop]
         b, u = golomb_params(self.golomb_m)
-        idx, z = np.empty(s.count, np.int64), np.empty(s.count, np.int64)
+        if self.out is None:  # the patch's positions and new values, straight into this chunk's slices
+            lo, hi = self._first[k], self._first[k + 1]
+            idx, z, vals = self._idx[lo:hi], _NO_Z, self._vals[lo:hi]
+        else:
+            idx, z, vals = np.empty(s.count, np.int64), np.empty(s.count, np.int64), _no_values(spec)
         self.status[k] = D.decode_sparse_chunk(
             s.stop - s.start, s.count, self.gap_mode, g.lut, g.freq, g.cum, t.lut, t.freq, t.cum,
-            self.golomb_m, b, u, s.rwords, s.rlens, s.bwords, s.nbits, idx, z,
+            self.golomb_m, b, u, s.rwords, s.rlens, s.bwords, s.nbits, idx, z, p, spec.sign, spec.mask,
+            s.start, vals,
         )  # fmt: skip
-        if self.status[k] != 0:
-            return  # nothing written: a bad stream never touches the output
-        if self.out is None:
-            vals = np.empty(s.count, spec.bits_dtype)
-            D.new_values(p, idx, z, spec.sign, spec.mask, vals)
-            self._idx[k], self._vals[k] = idx + s.start, vals
-        else:
-            o = self.out.reshape(-1).view(spec.bits_dtype)[s.start : s.stop]
-            np.copyto(o, p)
-            D.patch_chunk(p, o, idx, z, spec.sign, spec.mask)
+        if self.status[k] != 0 or self.out is None:
+            return  # a bad stream never touches the output (and a patch with a bad chunk is never made)
+        o = self.out.reshape(-1).view(spec.bits_dtype)[s.start : s.stop]
+        np.copyto(o, p)
+        D.patch_chunk(p, o, idx, z, spec.sign, spec.mask)
 
     def _dense(self, k: int) -> None:
         s, t, spec = self.streams[k], self.table, self.spec
@@ -239,7 +240,7 @@ class TensorDecoder:
         if self.header.mode == IDENT:
             return Patch(self.name, shape)
         if self.sparse:
-            return Patch(self.name, shape, np.concatenate(self._idx), np.concatenate(self._vals))
+            return Patch(self.name, shape, self._idx, self._vals)
         return Patch(self.name, shape, whole=self.out)
 
 
@@ -301,7 +302,7 @@ def changed_positions(blob: bytes | memoryview, name: str = "tensor") -> np.ndar
             idx, z = np.empty(s.count, np.int64), np.empty(s.count, np.int64)
             status = D.decode_sparse_chunk(
                 n, s.count, dec.gap_mode, g.lut, g.freq, g.cum, t.lut, t.freq, t.cum,
-                dec.golomb_m, b, u, s.rwords, s.rlens, s.bwords, s.nbits, idx, z,
+                dec.golomb_m, b, u, s.rwords, s.rlens, s.bwords, s.nbits, idx, z, _NO_BITS, 0, 0, 0, _NO_BITS,
             )  # fmt: skip
         elif h.mode == QUAD:  # four 2-bit classes per symbol; class 0 is "unchanged"
             quads = np.empty((n + 3) // 4, np.uint8)
@@ -318,6 +319,13 @@ def changed_positions(blob: bytes | memoryview, name: str = "tensor") -> np.ndar
 
 
 _QUAD_SHIFTS = np.arange(0, 8, 2, dtype=np.uint8)
+_NO_Z = np.zeros(0, np.int64)
+_NO_BITS = np.zeros(0, np.uint16)
+
+
+def _no_values(spec) -> np.ndarray:
+    """The empty ``vals_out`` that asks ``decode_sparse_chunk`` for changes instead of new values."""
+    return np.zeros(0, spec.bits_dtype)
 
 
 def decode_tensor(prev: np.ndarray, blob: bytes, name: str = "tensor", threads: int = 1) -> np.ndarray:
