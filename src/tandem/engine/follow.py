@@ -308,7 +308,7 @@ class EngineWeightSync:
         adv = self._from_store(target)
         shadow = self.follower.shadow
         assert shadow is not None and self.follower.version == adv.version
-        return _Step(adv.version, None if adv.full else patch_of(adv.changes, shadow), adv=adv)
+        return _Step(adv.version, None if adv.full else patch_of(adv.changes, shadow, adv.values), adv=adv)
 
 
 @dataclass

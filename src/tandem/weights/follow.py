@@ -16,7 +16,9 @@ Invariants:
   nothing half-applied can be served.
 - ``Advance.changes`` maps each tensor that changed to its sorted flat indices, or None when the whole tensor
   was replaced (full snapshot or a dense delta); ``Advance.full`` is True when the shadow was rebuilt from a
-  snapshot (the caller should then reload every tensor).
+  snapshot (the caller should then reload every tensor). ``Advance.values`` holds, for a tensor whose
+  indices came from exactly one delta step, the new values at those indices as decoded (the shadow's dtype,
+  in the same order; ``tandem.weights.hostlead.patch_of`` uses them instead of gathering them again).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class Advance:
     version: int
     full: bool
     changes: dict[str, np.ndarray | None] = field(default_factory=dict)
+    values: dict[str, np.ndarray] = field(default_factory=dict)  # see module invariants
     downloaded_bytes: int = 0
     fetch_s: float = 0.0
     decode_s: float = 0.0
@@ -107,7 +110,7 @@ class WeightFollower:
             self._verify(shadow, step)
             self.shadow, self.version = shadow, step.version
             out.full = True
-            out.changes = dict.fromkeys(shadow)
+            out.changes, out.values = dict.fromkeys(shadow), {}
             self.stats["snapshots"] += 1
             return
         if self.shadow is None or self.version != step.parent:
@@ -119,18 +122,21 @@ class WeightFollower:
         delta = Delta(base_hash, step.weights_hash, blobs)
         shadow = self.shadow
         self.shadow, self.version = None, None  # until verified, the shadow is not a version
-        written = prepare_delta(shadow, delta, self.threads, verify=False).apply(shadow, self.threads)
+        prepared = prepare_delta(shadow, delta, self.threads, verify=False)
+        written = prepared.apply(shadow, self.threads)
         self._verify(shadow, step)
         self.shadow, self.version = shadow, step.version
         for name, idx in written.items():
             if name in out.changes and out.changes[name] is None:
                 continue
-            if idx is None:
-                out.changes[name] = None
-            elif name in out.changes:
-                out.changes[name] = np.union1d(out.changes[name], idx)
+            if idx is None or name in out.changes:  # the values of a union are the final shadow's
+                out.values.pop(name, None)
+                out.changes[name] = None if idx is None else np.union1d(out.changes[name], idx)
             else:
                 out.changes[name] = idx
+                values = prepared.patches[name].values
+                if values is not None:
+                    out.values[name] = values.view(shadow[name].dtype)
 
     @staticmethod
     def _verify(shadow: dict[str, np.ndarray], step: PlanStep) -> None:

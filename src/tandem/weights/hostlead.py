@@ -46,14 +46,23 @@ class LeadResult:
     written: Patches | None  # the patch ``base -> version`` written to the share, if any
 
 
-def patch_of(changes: dict[str, np.ndarray | None], tensors: dict[str, np.ndarray]) -> Patches:
+def patch_of(
+    changes: dict[str, np.ndarray | None],
+    tensors: dict[str, np.ndarray],
+    known: dict[str, np.ndarray] | None = None,
+) -> Patches:
     """The patch of ``changes`` (per tensor its changed flat indices, None for all of them) with the values
-    ``tensors`` hold there."""
+    ``tensors`` hold there: ``known[name]`` when given (those values, in the same order, e.g. the decoded
+    ones of ``Advance.values``; a gather of 2.3M changes across a 100M model took 20-22 ms), else gathered."""
+    known = known or {}
     out: Patches = {}
     for name, idx in changes.items():
         flat = tensors[name].reshape(-1)
         index = np.arange(flat.size, dtype=np.int64) if idx is None else idx
-        out[name] = (index, flat[index])
+        values = known.get(name)
+        if values is None or values.shape != index.shape or values.dtype != flat.dtype:
+            values = flat[index]
+        out[name] = (index, values)
     return out
 
 
@@ -84,7 +93,7 @@ def lead_step(
         follower.shadow, follower.version = None, None  # the shadow is only used under the lock
     written = None
     if not adv.full and base is not None and base < target:
-        written = patch_of(adv.changes, tensors)
+        written = patch_of(adv.changes, tensors, adv.values)
         share.write(base, target, written)
     return LeadResult(base, target, adv, tensors, written)
 

@@ -1,0 +1,69 @@
+"""WeightFollower over a real store served on 127.0.0.1: the decoded values it hands to patch writers."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tandem.weights.client import WeightClient
+from tandem.weights.follow import WeightFollower
+from tandem.weights.hostlead import patch_of
+from tandem.weights.publish import WeightPublisher
+from tandem.weights.store import WeightStore
+from tandem.weights.transport import serve_store
+
+
+def _versions() -> list[dict[str, np.ndarray]]:
+    """v0, then v1 moves 2% of a bf16 tensor ("a", bit patterns) and of an fp32 one ("b"), then v2 moves
+    other elements of "a" only."""
+    rng = np.random.default_rng(0)
+    fp32 = rng.standard_normal((300, 500)).astype(np.float32) * 0.02
+    bf16_bits = (fp32.view(np.uint32) >> 16).astype(np.uint16)
+    out = [{"a": bf16_bits, "b": rng.standard_normal(40_000).astype(np.float32)}]
+    for names in (("a", "b"), ("a",)):
+        nxt = {k: v.copy() for k, v in out[-1].items()}
+        for name in names:
+            bits = nxt[name].reshape(-1).view(np.uint16 if name == "a" else np.uint32)
+            moved = rng.random(bits.shape[0]) < 0.02
+            bits[moved] += rng.integers(1, 9, int(moved.sum())).astype(bits.dtype)
+        out.append(nxt)
+    return out
+
+
+def test_a_single_delta_step_hands_over_its_decoded_values_and_a_chain_only_the_unmerged_ones(tmp_path):
+    versions = _versions()
+    store = WeightStore.open(tmp_path / "store", create=True, snapshot_every=10)
+    publisher = WeightPublisher(store)
+    for v, tensors in enumerate(versions):
+        publisher.publish(v, tensors)
+    with serve_store(store) as server, WeightClient(server.url) as c1, WeightClient(server.url) as c2:
+        one_step = WeightFollower(c1)
+        assert one_step.advance(0).values == {}  # a snapshot: nothing decoded element-wise
+        adv = one_step.advance(1)
+        assert sorted(adv.values) == ["a", "b"]
+        shadow = one_step.shadow
+        for name, values in adv.values.items():
+            assert values.dtype == shadow[name].dtype
+            assert values.tobytes() == shadow[name].reshape(-1)[adv.changes[name]].tobytes()
+            assert np.array_equal(adv.changes[name], np.flatnonzero(versions[0][name] != versions[1][name]))
+
+        chained = WeightFollower(c2)
+        chained.advance(0)
+        adv = chained.advance(2)  # 0 -> 1 -> 2: "a" changed in both steps, its indices are a union
+        assert sorted(adv.changes) == ["a", "b"] and sorted(adv.values) == ["b"]
+        shadow = chained.shadow
+        with_known, gathered = patch_of(adv.changes, shadow, adv.values), patch_of(adv.changes, shadow)
+        for name in ("a", "b"):
+            assert np.array_equal(with_known[name][0], gathered[name][0])
+            assert with_known[name][1].tobytes() == gathered[name][1].tobytes()
+            assert with_known[name][1].tobytes() == versions[2][name].reshape(-1)[gathered[name][0]].tobytes()
+    store.close()
+
+
+def test_patch_of_gathers_when_known_values_do_not_fit():
+    tensors = {"w": np.arange(10, dtype=np.float32)}
+    idx = np.array([1, 4, 7])
+    assert patch_of({"w": idx}, tensors, {"w": np.zeros(2, np.float32)})["w"][1].tolist() == [1.0, 4.0, 7.0]
+    assert patch_of({"w": idx}, tensors, {"w": np.zeros(3, np.int32)})["w"][1].tolist() == [1.0, 4.0, 7.0]
+    assert patch_of({"w": idx}, tensors, {"w": np.full(3, 9, np.float32)})["w"][1].tolist() == [9.0] * 3
+    whole = patch_of({"w": None}, tensors, {"w": np.zeros(3, np.float32)})["w"]
+    assert np.array_equal(whole[0], np.arange(10)) and np.array_equal(whole[1], tensors["w"])
