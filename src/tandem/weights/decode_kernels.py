@@ -70,7 +70,7 @@ def decode_sparse_chunk(
     - else the patch itself: flat positions ``base + i`` into ``idx_out`` and new bit patterns
       ``patched(p[i], z)`` into ``vals_out`` (``p`` the chunk's base elements, ``z_out`` unused). One pass,
       no array of changes in between and no copies to offset and join the chunks' results: preparing a
-      100M-parameter model's delta (1.7M changes) took 57-77 ms against 65-85 ms for decoding, gathering
+      100M-parameter model's delta (1.7M changes) took 57-77 ms against 65-86 ms for decoding, gathering
       and joining apart. Loading the base in blocks of 64 changes after decoding them was no faster.
 
     Reads ``p`` only at positions already checked against the chunk; touches no tensor memory (see
