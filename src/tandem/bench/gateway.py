@@ -21,7 +21,8 @@ best of a few rounds per side moves with the machine's noise (three rounds gave 
 here, seven gave 0.11-0.12), the JSON also has ``overhead_paired_median``: the median over the timed rounds
 of ``1 - in_process_wall / gateway_wall`` of the two sides' rounds run back to back. Afterwards the
 gateway's session records are checked: one segment per session (the history matched every turn, nothing was
-re-rendered) of the expected length. Sets torch threads (restored on return).
+re-rendered) of the expected length. Sets torch threads (restored on return) and, like ``tandem serve``,
+freezes the process's start-up heap once the engine runs (``freeze_heap``; thawed on return).
 
 What the overhead contains (measured on 2 cores): the server's work per request (about 1 ms of CPU, in a
 thread of the engine's process) and the client's (about 2 ms per request for ``openai``; the JSON's
@@ -49,7 +50,7 @@ import torch
 
 from tandem.core.config import EngineConfig, TaskConfig
 from tandem.core.generation import GenerationRequest, SamplingParams
-from tandem.core.procs import cpu_ticks, steal_fraction
+from tandem.core.procs import cpu_ticks, freeze_heap, steal_fraction, thaw_heap
 from tandem.engine.front import RequestFront
 
 ENGINES = ("auto", "builtin", "vllm")
@@ -269,6 +270,7 @@ def run_gateway_bench(
     ticks0 = cpu_ticks()
     try:
         engine.start()
+        freeze_heap()  # as `tandem serve` does once its engine runs
         clients = [_Client(server.url + "/v1") for _ in range(client_procs)]
         expected = sessions * turns * max_tokens
         in_proc: list[dict] = []
@@ -293,6 +295,7 @@ def run_gateway_bench(
         server.stop()
         engine.stop()
         torch.set_num_threads(old)
+        thaw_heap()
     steal = steal_fraction(ticks0, cpu_ticks())
     ip_wall = min(x["wall_s"] for x in in_proc[1:])
     gw_wall = min(x["wall_s"] for x in gateway[1:])

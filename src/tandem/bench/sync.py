@@ -62,6 +62,7 @@ import numpy as np
 import ray
 
 from tandem.core.config import EngineConfig
+from tandem.core.procs import freeze_heap, thaw_heap
 from tandem.orchestrator.actors import HostLeaderActor, RelayActor
 from tandem.weights.hostshare import default_share_root
 
@@ -91,6 +92,7 @@ class _BenchEngine:
         self.sync_obj = EngineWeightSync(
             self.engine, urls, connections=4, share=share, host_leader=host_leader
         )
+        freeze_heap()  # as an EngineActor does once built
 
     def sync(self, version: int) -> dict[str, Any]:
         return self.sync_obj.sync(version)
@@ -230,6 +232,7 @@ def run_sync_bench(
             ray.get(leading)
             return results
 
+        freeze_heap()  # the trainer side is built: as the trainer actor does (tandem.orchestrator.actors)
         publisher.publish(0, versions[0])
         sync_all(0)
 
@@ -335,6 +338,7 @@ def run_sync_bench(
         }
         return out
     finally:
+        thaw_heap()  # frozen once the trainer side was built, as in a run; this process may live on (tests)
         for a in actors:
             try:
                 ray.kill(a)

@@ -154,6 +154,9 @@ def serve(
     where = f"http://{shown}:{sock.getsockname()[1]}/v1"
     typer.echo(f"serving {cfg.model_name} on {where} (engine {engine}: {engine_reason})")
     eng.start()
+    from tandem.core.procs import freeze_heap
+
+    freeze_heap()  # the served state lives as long as the process: full GC passes skip it
     try:
         run_forever(app, sock, log_level=log_level)
     finally:

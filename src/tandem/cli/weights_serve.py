@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
+from tandem.core.procs import freeze_heap
 from tandem.weights.errors import NotAStoreError, TransportError, WeightStoreError
 from tandem.weights.httpconn import parse_source
 from tandem.weights.ratelimit import mbps_to_bytes_per_s
@@ -84,6 +85,7 @@ def serve(
         return
     latest = opened.latest()
     typer.echo(f"serving weight store {store} (latest version {latest}) at {server.url}", err=False)
+    freeze_heap()
     _block_until_interrupted(server)
 
 
@@ -124,4 +126,5 @@ def relay(
         latest = None
         typer.echo(f"warning: upstream not reachable yet ({e}); will retry on each request", err=True)
     typer.echo(f"relaying {', '.join(upstream)} (latest version {latest}) at {server.url}")
+    freeze_heap()
     _block_until_interrupted(server)

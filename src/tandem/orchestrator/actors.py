@@ -11,6 +11,8 @@ Invariants:
 - Engines apply a weight update only after verifying its content hash: the full ``WeightUpdate`` of the
   object-store path, or, on the delta path (``weights.transport = "delta"``), every version they fetch from
   the trainer's weight store (``tandem.engine.follow``), through relays when configured.
+- Every long-lived actor freezes its start-up heap once it is built (``tandem.core.procs.freeze_heap``), so
+  the cyclic collector's full passes skip it instead of stopping the actor's threads for 0.3-0.6 s.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 import ray
 
 from tandem.core.config import RunConfig
+from tandem.core.procs import freeze_heap
 from tandem.core.records import Group, Task
 from tandem.weights import WeightUpdate, verify_update
 
@@ -79,6 +82,7 @@ class EngineActor:
                 lead_yield_ms=w.lead_yield_ms,
                 host_leader=weight_share is not None and w.host_leader,
             )
+        freeze_heap()
 
     async def follow(self, version: int) -> dict[str, Any]:
         """Fetch, verify and apply ``version`` from the weight store while serving (delta path)."""
@@ -216,6 +220,7 @@ class RolloutActor:
         self.running = False
         self.inflight: set[asyncio.Task] = set()
         self.errors: list[str] = []
+        freeze_heap()
 
     async def _generate(self, request):
         from ray.exceptions import RayActorError
@@ -297,6 +302,7 @@ class RelayActor:
         self.relay = Relay(
             upstream, cache_dir, host="127.0.0.1", port=0, upstream_bandwidth_bytes_per_s=limit
         )
+        freeze_heap()
 
     def url(self) -> str:
         return self.relay.url
@@ -314,6 +320,7 @@ class HostLeaderActor:
         from tandem.weights.hostlead import HostLeader
 
         self.leader = HostLeader(urls, share, nice=nice)
+        freeze_heap()
 
     async def advance(self, version: int) -> dict[str, Any]:
         return await asyncio.to_thread(self.leader.advance, version)
@@ -353,6 +360,7 @@ class TrainerActor:
                 )
             self.publisher = WeightPublisher(st, threads=w.codec_threads, keep_versions=w.keep_versions)
             self.server = serve_store(st, host="127.0.0.1", port=0)
+        freeze_heap()
 
     def weights_url(self) -> str:
         assert self.server is not None
