@@ -57,10 +57,16 @@ print(json.dumps({
 """
 
 
-def _probe(env_value: str | None) -> dict:
+def _env(freeze: str | None) -> dict[str, str]:
+    """This environment with ``TANDEM_GC_FREEZE`` set to ``freeze`` (removed for None: the default)."""
     env = {k: v for k, v in os.environ.items() if k != "TANDEM_GC_FREEZE"}
-    if env_value is not None:
-        env["TANDEM_GC_FREEZE"] = env_value
+    if freeze is not None:
+        env["TANDEM_GC_FREEZE"] = freeze
+    return env
+
+
+def _probe(env_value: str | None) -> dict:
+    env = _env(env_value)
     out = subprocess.run([sys.executable, "-c", _FREEZE_PROBE], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
@@ -91,6 +97,6 @@ def test_frozen_heap_is_finalised_at_exit():
         "class Fin:\n    def __del__(self):\n        sys.stdout.write('finalised\\n')\n"
         "f = Fin(); f.me = f\nassert freeze_heap() > 0\ndel f\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code], env=_env(None), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "finalised\n"
