@@ -3,11 +3,14 @@ the start-up heap freeze of long-lived processes."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 import time
+
+import pytest
 
 from tandem.core.procs import CpuTicks, busy_cores, cpu_ticks, steal_fraction
 
@@ -100,3 +103,15 @@ def test_frozen_heap_is_finalised_at_exit():
     out = subprocess.run([sys.executable, "-c", code], env=_env(None), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout == "finalised\n"
+
+
+def test_freeze_switch_rejects_nonsense(monkeypatch):
+    from tandem.core.procs import freeze_heap
+
+    before = gc.get_freeze_count()  # this process's (an in-process vLLM engine freezes its own heap)
+    monkeypatch.setenv("TANDEM_GC_FREEZE", "maybe")
+    with pytest.raises(ValueError, match="TANDEM_GC_FREEZE='maybe'.*0 .*or 1"):
+        freeze_heap()
+    assert gc.get_freeze_count() == before  # refused before anything was frozen
+    monkeypatch.setenv("TANDEM_GC_FREEZE", "Off")
+    assert freeze_heap() == 0 and gc.get_freeze_count() == before

@@ -109,7 +109,21 @@ def lower_thread_priority(nice: int) -> None:
 
 
 GC_FREEZE_ENV = "TANDEM_GC_FREEZE"
-"""Set to ``0`` to keep ``freeze_heap`` from freezing (for debugging a process's memory)."""
+"""Set to ``0`` (or ``false``, ``off``, ``no``) to keep ``freeze_heap`` from freezing (for debugging a
+process's memory); ``1``, ``true``, ``on``, ``yes`` or unset: freeze."""
+
+_OFF, _ON = {"0", "false", "off", "no"}, {"1", "true", "on", "yes", ""}
+
+
+def _freeze_enabled() -> bool:
+    raw = os.environ.get(GC_FREEZE_ENV, "1")
+    value = raw.strip().lower()
+    if value not in _OFF | _ON:
+        raise ValueError(
+            f"{GC_FREEZE_ENV}={raw!r} is not understood; set it to 0 (do not freeze the heap) or 1 "
+            "(the default)"
+        )
+    return value in _ON
 
 
 def freeze_heap() -> int:
@@ -125,7 +139,7 @@ def freeze_heap() -> int:
     which is why this is for start-up state that lives as long as the process; the heap is thawed at exit,
     so shutdown finalises it as usual (frozen, native bindings such as triton's reported leaks at exit).
     vLLM's engine core freezes its start-up heap the same way."""
-    if os.environ.get(GC_FREEZE_ENV, "1") == "0":
+    if not _freeze_enabled():
         return 0
     gc.collect()
     gc.freeze()
