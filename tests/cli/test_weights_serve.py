@@ -67,3 +67,17 @@ def test_serve_prints_its_url_answers_and_stops_on_ctrl_c(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_misspelt_gc_switch_is_refused_before_anything_listens(tmp_path, monkeypatch):
+    """``TANDEM_GC_FREEZE`` is checked up front (``tandem.core.procs.gc_freeze_enabled``): exit 2, named."""
+    store = WeightStore.open(tmp_path / "store", create=True)
+    store.close()
+    monkeypatch.setenv("TANDEM_GC_FREEZE", "of")
+    for args in (["serve", "--store", str(tmp_path / "store"), "--port", "0"],
+                 ["relay", "--upstream", "http://127.0.0.1:1", "--port", "0",
+                  "--cache-dir", str(tmp_path / "cache")]):  # fmt: skip
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert "TANDEM_GC_FREEZE='of'" in result.output, (args, result.output)
+    assert not (tmp_path / "cache").exists()  # refused before the relay made its cache

@@ -50,7 +50,7 @@ import torch
 
 from tandem.core.config import EngineConfig, TaskConfig
 from tandem.core.generation import GenerationRequest, SamplingParams
-from tandem.core.procs import cpu_ticks, freeze_heap, steal_fraction, thaw_heap
+from tandem.core.procs import cpu_ticks, freeze_heap, gc_freeze_enabled, steal_fraction, thaw_heap
 from tandem.engine.front import RequestFront
 
 ENGINES = ("auto", "builtin", "vllm")
@@ -243,6 +243,7 @@ def run_gateway_bench(
             f"sessions, turns, max_tokens, repeats and client_procs must be >= 1 (client_procs <= sessions), "
             f"got {sessions}, {turns}, {max_tokens}, {repeats}, {client_procs}"
         )
+    gc_freeze_enabled()  # a bad TANDEM_GC_FREEZE is a ValueError before anything starts
     if engine_kind not in ENGINES:
         raise ValueError(f"engine {engine_kind!r} is unknown; choose one of {', '.join(ENGINES)}")
     from tandem.engine import create_engine

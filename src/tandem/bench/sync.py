@@ -62,7 +62,7 @@ import numpy as np
 import ray
 
 from tandem.core.config import EngineConfig
-from tandem.core.procs import freeze_heap, thaw_heap
+from tandem.core.procs import freeze_heap, gc_freeze_enabled, thaw_heap
 from tandem.orchestrator.actors import HostLeaderActor, RelayActor
 from tandem.weights.hostshare import default_share_root
 
@@ -182,6 +182,7 @@ def run_sync_bench(
             f"relays={relays}, engines={engines}, deltas={deltas}, warmup_deltas={warmup_deltas}, "
             f"bandwidth_mbps={bandwidth_mbps}"
         )
+    gc_freeze_enabled()  # a bad TANDEM_GC_FREEZE is a ValueError before anything starts
     if not 1 <= busy_engines <= engines:
         raise ValueError(f"busy_engines={busy_engines} must be in [1, engines={engines}]")
     if size not in SIZES:

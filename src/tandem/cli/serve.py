@@ -93,6 +93,12 @@ def serve(
         max_sessions=max_sessions,
         model_name=_model_dir(model).name,
     )
+    from tandem.core.procs import gc_freeze_enabled
+
+    try:
+        gc_freeze_enabled()
+    except ValueError as e:
+        _fail(str(e))
     if engine not in ENGINES:
         _fail(f"--engine {engine!r} is unknown; choose one of {', '.join(ENGINES)}")
     if engine == "vllm":

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from tandem.core.procs import freeze_heap
+from tandem.core.procs import freeze_heap, gc_freeze_enabled
 from tandem.weights.errors import NotAStoreError, TransportError, WeightStoreError
 from tandem.weights.httpconn import parse_source
 from tandem.weights.ratelimit import mbps_to_bytes_per_s
@@ -61,6 +61,13 @@ def _block_until_interrupted(server: Any) -> None:
             signal.signal(sig, handler)
 
 
+def _check_gc_switch() -> None:
+    try:
+        gc_freeze_enabled()
+    except ValueError as e:
+        _fail(str(e))
+
+
 def serve(
     store: Annotated[Path, typer.Option("--store", help="Weight store directory to serve (read-only).")],
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
@@ -71,6 +78,7 @@ def serve(
 ) -> None:
     """Serve a weight store over HTTP: /v1/weights/latest, manifests/N, blobs/SHA256 (with Range)."""
     _check_port(port)
+    _check_gc_switch()
     rate = _bandwidth("--bandwidth-mbps", bandwidth_mbps)
     if not store.is_dir():
         _fail(f"--store {str(store)!r} is not an existing directory; pass a weight store directory")
@@ -112,6 +120,7 @@ def relay(
         except TransportError as e:
             _fail(f"--upstream: {e}")
     _check_port(port)
+    _check_gc_switch()
     rate = _bandwidth("--upstream-bandwidth-mbps", upstream_bandwidth_mbps)
     if cache_dir.exists() and not cache_dir.is_dir():
         _fail(f"--cache-dir {str(cache_dir)!r} exists and is not a directory")

@@ -115,7 +115,9 @@ process's memory); ``1``, ``true``, ``on``, ``yes`` or unset: freeze."""
 _OFF, _ON = {"0", "false", "off", "no"}, {"1", "true", "on", "yes", ""}
 
 
-def _freeze_enabled() -> bool:
+def gc_freeze_enabled() -> bool:
+    """Whether ``TANDEM_GC_FREEZE`` asks for the freeze; a ``ValueError`` naming it for any other value (entry
+    points call this before they start anything, so a typo is refused up front)."""
     raw = os.environ.get(GC_FREEZE_ENV, "1")
     value = raw.strip().lower()
     if value not in _OFF | _ON:
@@ -139,7 +141,7 @@ def freeze_heap() -> int:
     which is why this is for start-up state that lives as long as the process; the heap is thawed at exit,
     so shutdown finalises it as usual (frozen, native bindings such as triton's reported leaks at exit).
     vLLM's engine core freezes its start-up heap the same way."""
-    if not _freeze_enabled():
+    if not gc_freeze_enabled():
         return 0
     gc.collect()
     gc.freeze()
