@@ -1,5 +1,6 @@
-"""engine.kind = "auto": the built-in engine for small models and for what only it supports, vLLM from
-engine.vllm_from_params up when it can be imported (tandem.engine.choice)."""
+"""engine.kind = "auto": the built-in engine for what only it supports; otherwise, on CPU, the engine measured
+faster on this machine (tandem.engine.calibrate), or without a measurement vLLM from engine.vllm_from_params
+up when it can be imported (tandem.engine.choice)."""
 
 import json
 import os
@@ -39,25 +40,27 @@ def test_auto_keeps_a_model_below_the_threshold_on_the_builtin_engine_without_im
     def probe():
         raise AssertionError("vLLM must not be probed for a model the size already decides")
 
-    cfg = EngineConfig(vllm_from_params=SHIPPED_PARAMS + 1)
+    cfg = EngineConfig(vllm_from_params=SHIPPED_PARAMS + 1, auto_measure=False)
     kind, reason = choose_engine(cfg, SHIPPED, vllm_probe=probe)
     assert kind == "builtin"
     assert "5,771,264 parameters < engine.vllm_from_params=5,771,265" in reason
     assert isinstance(create_engine(SHIPPED, cfg), BuiltinEngine)  # create_engine resolves 'auto' too
 
 
-def test_auto_serves_the_shipped_model_on_vllm_when_it_can_be_imported():
-    kind, reason = choose_engine(EngineConfig(), SHIPPED)  # the default threshold, 5M
+def test_without_a_measurement_auto_serves_the_shipped_model_on_vllm_when_it_can_be_imported():
+    kind, reason = choose_engine(EngineConfig(auto_measure=False), SHIPPED)  # the default threshold, 5M
     missing = vllm_available()
     if missing is None:  # the test command installs the vllm extra
         assert (kind, reason) == ("vllm", "auto: 5,771,264 parameters >= engine.vllm_from_params=5,000,000")
     else:
         assert kind == "builtin" and missing in reason
     kind, reason = choose_engine(
-        EngineConfig(), SHIPPED, vllm_probe=lambda: "vLLM is not importable (no module)"
+        EngineConfig(auto_measure=False), SHIPPED, vllm_probe=lambda: "vLLM is not importable (no module)"
     )
     assert kind == "builtin"
     assert reason == "auto: vLLM would serve this model, but vLLM is not importable (no module)"
+    kind, reason = choose_engine(EngineConfig(), SHIPPED, vllm_probe=lambda: "vLLM is not importable (x)")
+    assert (kind, reason) == ("builtin", "auto: vLLM is not importable (x)")  # nothing to measure against
 
 
 def test_an_explicit_kind_is_kept():
@@ -95,7 +98,8 @@ def test_a_run_that_needs_the_builtin_engine_gets_it(overrides, setting):
 
 
 def test_a_resolved_run_config_names_one_engine():
-    resolved, reason = resolve_run_engine(RunConfig(engine={"vllm_from_params": 0}), vllm_probe=lambda: None)
+    cfg = RunConfig(engine={"vllm_from_params": 0, "auto_measure": False})
+    resolved, reason = resolve_run_engine(cfg, vllm_probe=lambda: None)
     assert resolved.engine.kind == "vllm" and reason.startswith("auto: ")
 
 
@@ -110,13 +114,13 @@ def test_bad_engine_settings_are_refused_naming_the_field():
 @pytest.mark.parametrize(
     ("engine", "small", "says"),
     [
-        ("auto", True, "(engine builtin: auto: 336,320 parameters < engine.vllm_from_params=5,000,000"),
+        ("auto", True, "(engine builtin: auto: decodes faster on this machine: built-in "),
         ("vllm", False, "(engine vllm: engine.kind='vllm' (set explicitly))"),
     ],
 )
 def test_serve_runs_the_engine_it_names_and_answers(tmp_path, engine, small, says):
     model = write_model_dir(tmp_path, "smoke", tokenizer_dir=SHIPPED) if small else SHIPPED  # 336,320 params
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_CACHE_DIR": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "tandem.cli.main", "serve", "--engine", engine, "--port", "0"]
     cmd += ["--model", str(model), "--max-seq-len", "256", "--max-batch", "4", "--threads", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -10,9 +10,10 @@ the same number of new tokens (no early stop), sampling at temperature 1. Two nu
 Each engine is warmed up once, then the engines are timed in turn ``repeats`` times and the best time of each
 counts (the least disturbed by other load on a shared machine), all in one process, so the ratios hold on a
 noisy machine. An engine that cannot run here (vLLM not installed) is reported with its error, not left out.
-Per size, ``auto_picks`` is the engine ``engine.kind = "auto"`` chooses for that model here
-(``tandem.engine.choice``), and ``auto_picks_faster`` whether it is the one of the two with more tokens/s
-(None unless both ran): the check of ``engine.vllm_from_params``.
+Per size, ``auto_picks`` is the engine ``engine.kind = "auto"`` chooses given this run's rates (it measures
+both engines on the machine: ``tandem.engine.calibrate``), and ``threshold_picks`` the one its fallback
+without a measurement chooses (``engine.vllm_from_params``), with ``threshold_picks_faster`` whether that is
+the one of the two with more tokens/s here (None unless both ran).
 This is the one place that changes global torch settings (threads), restored on return.
 """
 
@@ -29,8 +30,8 @@ import torch
 from transformers import PreTrainedModel
 
 from tandem.core.config import EngineConfig
-from tandem.core.generation import GenerationRequest, SamplingParams
 from tandem.engine.builtin import BuiltinEngine
+from tandem.engine.calibrate import decode_seconds
 from tandem.engine.choice import choose_engine
 
 ENGINES = ("builtin", "vllm", "hf_generate")
@@ -61,21 +62,6 @@ def _hf_generate(model: PreTrainedModel, prompts: torch.Tensor, new_tokens: int)
         )
     dt = time.perf_counter() - t0
     assert out.shape[1] == prompts.shape[1] + new_tokens
-    return dt
-
-
-def _engine_generate(engine: Any, prompts: torch.Tensor, new_tokens: int, seed: int) -> float:
-    reqs = [
-        GenerationRequest(p, SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=seed + i))
-        for i, p in enumerate(prompts.tolist())
-    ]
-    t0 = time.perf_counter()
-    outs = engine.generate(reqs)
-    dt = time.perf_counter() - t0
-    bad = [c for c in outs if len(c.token_ids) != new_tokens]
-    if bad:
-        got = len(bad[0].token_ids)
-        raise RuntimeError(f"engine returned {got} tokens instead of {new_tokens}: {bad[0]}")
     return dt
 
 
@@ -115,7 +101,7 @@ def _measure_size(
             errors[name] = f"{type(e).__name__}: {e}"
             continue
         started.append(eng)
-        runners[name] = lambda n, k, eng=eng: _engine_generate(eng, prompts, n, seed=k * batch)
+        runners[name] = lambda n, k, eng=eng: decode_seconds(eng, prompts.tolist(), n, seed=k * batch)
     times: dict[str, list[float]] = {n: [] for n in runners}
     firsts: dict[str, list[float]] = {n: [] for n in runners}
     try:
@@ -137,8 +123,13 @@ def _measure_size(
             results.append({"engine": name, "tokens_per_s": round(tps, 1), "ttft_s": round(ttft, 4)})
     ok = [r for r in results if "tokens_per_s" in r]
     fastest = max(ok, key=lambda r: r["tokens_per_s"])["engine"] if ok else None
-    auto, _ = choose_engine(EngineConfig(), model_dir)
-    both = {"builtin", "vllm"} <= {r["engine"] for r in ok}
+    threshold, _ = choose_engine(EngineConfig(auto_measure=False), model_dir)
+    auto, threshold_faster = threshold, None
+    if {"builtin", "vllm"} <= {r["engine"] for r in ok}:
+        rates = {e: _tps(ok, e) for e in ("builtin", "vllm")}
+        given = lambda c, p: rates  # noqa: E731 - auto's choice given this run's rates
+        auto, _ = choose_engine(EngineConfig(), model_dir, vllm_probe=lambda: None, measure=given)
+        threshold_faster = threshold == max(rates, key=lambda e: rates[e])
     return {
         "size": size,
         "model_params": sum(p.numel() for p in model.parameters()),
@@ -146,7 +137,8 @@ def _measure_size(
         "fastest_tokens_per_s": fastest,
         "fastest_ttft": min(ok, key=lambda r: r["ttft_s"])["engine"] if ok else None,
         "auto_picks": auto,
-        "auto_picks_faster": (auto == max(("builtin", "vllm"), key=lambda e: _tps(ok, e))) if both else None,
+        "threshold_picks": threshold,
+        "threshold_picks_faster": threshold_faster,
     }
 
 

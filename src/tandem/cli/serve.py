@@ -53,7 +53,8 @@ def serve(
         str,
         typer.Option(
             help="Inference engine: auto | builtin | vllm (vllm needs `pip install -e .[vllm]`); auto picks "
-            "the faster one for the model's size (engine.vllm_from_params)."
+            "the one that decodes the model faster on this machine (measured once, cached; "
+            "engine.auto_measure)."
         ),
     ] = "auto",
     host: Annotated[

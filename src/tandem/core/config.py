@@ -305,14 +305,24 @@ class EngineConfig(Section):
     engine; needs ``pip install -e .[vllm]``; refuses top_p < 1, see tandem.engine.vllm), or ``auto``: the
     faster of the two for this model and machine, resolved once when a run, an eval or a server starts
     (``tandem.engine.choice``; the run's config.toml records the result). ``auto`` picks vLLM when it is
-    importable and the model has at least ``vllm_from_params`` parameters (any size on a CUDA machine),
-    unless the run needs the built-in engine (train.deterministic, train.router_replay='r3',
-    rollout.top_p < 1); else the built-in engine."""
+    importable and, on CPU, decodes this model faster on this machine (``auto_measure``; without a
+    measurement, when the model has at least ``vllm_from_params`` parameters), on CUDA at any size, unless
+    the run needs the built-in engine (train.deterministic, train.router_replay='r3', rollout.top_p < 1);
+    else the built-in engine."""
+    auto_measure: bool = True
+    """``kind = "auto"`` without CUDA, for a dense model vLLM could serve: measure both engines' decode rate
+    on this machine once (a child process, about 20-60 s; cached per CPU, model shape, threads and batch
+    under ``TANDEM_CACHE_DIR`` or ``~/.cache/tandem``: ``tandem.engine.calibrate``) and serve with the faster.
+    Which one wins depends on the machine: at the shipped model's size vLLM decoded 1.14x as fast on an AMD
+    EPYC and 0.58x on an Intel Xeon (docs/results.md). Off, or when the measurement fails:
+    ``vllm_from_params`` decides."""
     vllm_from_params: int = Field(default=5_000_000, ge=0)
-    """``kind = "auto"`` without CUDA: the parameter count from which vLLM serves a model (below it, the
-    built-in engine). Measured on 2 CPU cores (docs/results.md): the built-in engine decodes 1.9x faster at
-    0.34M parameters; at the shipped 5.8M vLLM led in 3 of 5 ``tandem bench engine`` runs (1.14x), tied in
-    one, and trained 1.14x more samples/s in the default run; vLLM 1.4x at 15M and 2.1-2.2x at 100M."""
+    """``kind = "auto"`` without CUDA and without a measurement (``auto_measure``): the parameter count from
+    which vLLM serves a model (below it, the built-in engine). Measured on 2 AMD EPYC cores
+    (docs/results.md): the built-in engine decodes 1.9x faster at 0.34M parameters; at the shipped 5.8M
+    vLLM led in 3 of 5 ``tandem bench engine`` runs (1.14x), tied in one, and trained 1.14x more samples/s
+    in the default run; vLLM 1.4x at 15M and 2.1-2.2x at 100M. On an Intel Xeon the built-in engine was
+    the faster at all three sizes."""
     max_batch: int = 64
     """Most sessions decoded together in one step (continuous batching)."""
     max_seq_len: int = 1024
