@@ -91,6 +91,22 @@ def test_an_unreadable_cache_is_ignored_and_rewritten_whole(cache):
     cache.parent.mkdir(parents=True)
     cache.write_text("{not json")
     assert cached_rates(SHIPPED, threads=1, max_batch=8) is None
-    calibrate._write_cache(cache, "k", {"builtin": 1.0, "vllm": 2.0})
+    assert calibrate._write_cache(cache, "k", {"builtin": 1.0, "vllm": 2.0}) == str(cache)
     assert json.loads(cache.read_text()) == {"k": {"builtin": 1.0, "vllm": 2.0}}
     assert [p.name for p in cache.parent.iterdir()] == [cache.name]  # no temporary file left
+
+
+def test_a_cache_that_cannot_be_written_is_reported_not_raised(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    entry = {"builtin": 1.0, "vllm": 2.0}
+    where = calibrate._write_cache(blocker / "cache" / calibrate.CACHE_FILE, "k", entry)
+    assert where.startswith("not cached: ") and "TANDEM_CACHE_DIR" in where
+
+
+def test_a_model_without_a_readable_config_is_a_calibration_error(tmp_path):
+    with pytest.raises(CalibrationError, match=r"config\.json.*cannot be read as JSON"):
+        measured_rates(tmp_path, threads=1, max_batch=2)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(CalibrationError, match="cannot be read as JSON"):
+        cached_rates(tmp_path, threads=1, max_batch=2)

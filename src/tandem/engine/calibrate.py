@@ -10,7 +10,8 @@ Invariants:
   shape, threads, batch) key, measured at most once per key: the result is cached in
   ``cache_dir()/engine-choice.json`` (``TANDEM_CACHE_DIR``, else ``~/.cache/tandem``), written atomically
   (a temporary file renamed over it), so a crash never leaves a half-written cache; an unreadable cache is
-  ignored and rewritten.
+  ignored and rewritten; one that cannot be written leaves the measurement uncached (the result says why).
+  A model directory without a readable ``config.json`` is a ``CalibrationError`` (nothing measured).
 - The measurement runs in a child process (``python -m tandem.engine.calibrate``), never in the caller: vLLM
   sets process-global state while it starts, and a crash or hang there must not take the caller down. The
   child decodes the same prompts with both engines (a warm-up round, then the best of ``ROUNDS`` timed
@@ -90,10 +91,14 @@ def measurement_key(model_path: str | Path, threads: int, batch: int) -> tuple[s
     from tandem.model.load import checkpoint_parameters
 
     p = Path(model_path)
+    try:
+        model_config = json.loads((p / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CalibrationError(f"{str(p / 'config.json')!r} cannot be read as JSON ({e})") from e
     desc = {
         "cpu": _cpu_model(),
         "cores": os.cpu_count(),
-        "model_config": json.loads((p / "config.json").read_text()),
+        "model_config": model_config,
         "params": checkpoint_parameters(p),
         "threads": threads,
         "batch": batch,
@@ -113,20 +118,30 @@ def _read_cache(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _write_cache(path: Path, key: str, entry: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = _read_cache(path)
-    data[key] = entry
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+def _write_cache(path: Path, key: str, entry: dict[str, Any]) -> str:
+    """Add ``entry`` under ``key``; returns where it is cached, or why it is not (a cache that cannot be
+    written costs a measurement next time, nothing else)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _read_cache(path)
+        data[key] = entry
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as e:
+        return f"not cached: {path} cannot be written ({e}); set TANDEM_CACHE_DIR"
+    return str(path)
+
+
+def _lookup(path: Path, key: str) -> dict[str, Any] | None:
+    entry = _read_cache(path).get(key)
+    return entry if isinstance(entry, dict) and "builtin" in entry and "vllm" in entry else None
 
 
 def cached_rates(model_path: str | Path, threads: int, max_batch: int) -> dict[str, Any] | None:
     """The cached measurement for this key, or None."""
     key, _ = measurement_key(model_path, threads, batch_for(max_batch))
-    entry = _read_cache(cache_dir() / CACHE_FILE).get(key)
-    return entry if isinstance(entry, dict) and "builtin" in entry and "vllm" in entry else None
+    return _lookup(cache_dir() / CACHE_FILE, key)
 
 
 def measured_rates(model_path: str | Path, threads: int, max_batch: int) -> dict[str, Any]:
@@ -136,8 +151,8 @@ def measured_rates(model_path: str | Path, threads: int, max_batch: int) -> dict
     batch = batch_for(max_batch)
     key, desc = measurement_key(model_path, threads, batch)
     path = cache_dir() / CACHE_FILE
-    entry = _read_cache(path).get(key)
-    if isinstance(entry, dict) and "builtin" in entry and "vllm" in entry:
+    entry = _lookup(path, key)
+    if entry is not None:
         return {**entry, "cached": True, "cache": str(path)}
     print(
         f"tandem: measuring the built-in engine and vLLM on {str(model_path)!r} at {threads} thread(s), "
@@ -167,8 +182,7 @@ def measured_rates(model_path: str | Path, threads: int, max_batch: int) -> dict
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "key": desc,
     }
-    _write_cache(path, key, entry)
-    return {**entry, "cached": False, "cache": str(path)}
+    return {**entry, "cached": False, "cache": _write_cache(path, key, entry)}
 
 
 def decode_seconds(engine: Any, prompts: list[list[int]], new_tokens: int, seed: int) -> float:
