@@ -108,6 +108,8 @@ def test_bad_engine_settings_are_refused_naming_the_field():
         EngineConfig(kind="tgi")
     with pytest.raises(ValueError, match="vllm_from_params"):
         EngineConfig(vllm_from_params=-1)
+    with pytest.raises(ValueError, match="auto_measure"):
+        EngineConfig(auto_measure="sometimes")
 
 
 @pytest.mark.slow
