@@ -188,3 +188,28 @@ def test_same_parked_prefix_claimed_once_and_bad_requests_still_fail_cleanly():
     finally:
         reuse.stop()
         plain.stop()
+
+
+def test_a_lockstep_group_back_in_any_order_is_prefilled_where_it_parked():
+    # Four sessions finish a turn at the same step and park in slots 0..3; their next turns arrive in
+    # reverse order. Admission puts each where its KV lies, so no KV is copied, and the outputs are those
+    # of an engine without reuse.
+    reuse, plain = engines(max_batch=4, max_parked=4)
+    copies: list[tuple[int, int]] = []
+    move = reuse._runner.move
+    reuse._runner.move = lambda src, dst: (copies.append((src, dst)), move(src, dst))[1]
+    try:
+        ps = [tokens(24 + i, 40 + i) for i in range(4)]
+        firsts = reuse.generate([req(p, n=5) for p in ps])
+        assert copies == []  # retiring together from the last slot down: each parks where it ran
+        follow = [p + c.token_ids + [7, 8] for p, c in zip(ps, firsts, strict=True)]
+        h = reuse.stats()["prefix_hit_tokens"]
+        outs = reuse.generate([req(f, n=6) for f in reversed(follow)])
+        assert reuse.stats()["prefix_hit_tokens"] - h == sum(len(p) + 4 for p in ps)
+        assert copies == []
+        ref = plain.generate([req(f, n=6) for f in reversed(follow)])
+        assert [c.token_ids for c in outs] == [c.token_ids for c in ref]
+        np.testing.assert_allclose([c.logprobs for c in outs], [c.logprobs for c in ref], atol=1e-5)
+    finally:
+        reuse.stop()
+        plain.stop()

@@ -112,6 +112,11 @@ class _Update:
     pause_s: float = 0.0
 
 
+def _permute(order: list[int], *lists: list[Any]) -> tuple[list[Any], ...]:
+    """Each of ``lists`` reordered by ``order`` (indices into it)."""
+    return tuple([xs[k] for k in order] for xs in lists)
+
+
 class BuiltinEngine(RequestFront):
     """Continuous-batching engine over a HF causal LM (see module docstring)."""
 
@@ -411,6 +416,11 @@ class BuiltinEngine(RequestFront):
             hit = self._prefix.claim([int(t) for t in s.request.prompt_ids])
             claims.append(hit[0] if hit else None)
             starts.append(hit[1] if hit else 0)
+        # Sessions back for their next turn in slot order: a lockstep group that parked in slots n..n+k-1
+        # is prefilled in place, with no KV copied (see ``PrefixCache.arrange``).
+        slots = [self._prefix.slot_of(c) for c in claims]
+        order = sorted(range(len(fresh)), key=lambda k: (slots[k] is None, slots[k] or 0))
+        fresh, claims, starts = _permute(order, fresh, claims, starts)
         i = 0
         while i < len(fresh):  # batches under a padded-token budget (new tokens), at least one prompt each
             j, longest = i, 0
@@ -419,8 +429,11 @@ class BuiltinEngine(RequestFront):
                 if j > i and longest2 * (j - i + 1) > _PREFILL_TOKEN_BUDGET:
                     break
                 longest, j = longest2, j + 1
-            batch = fresh[i:j]
             first = len(self._active)
+            fresh[i:j], claims[i:j], starts[i:j] = _permute(
+                self._prefix.arrange(first, claims[i:j]), fresh[i:j], claims[i:j], starts[i:j]
+            )
+            batch = fresh[i:j]
             suffixes = [list(s.request.prompt_ids[st:]) for s, st in zip(batch, starts[i:j], strict=True)]
             try:
                 self._prefix.place(first, claims[i:j])

@@ -108,6 +108,26 @@ class PrefixCache:
         self._claims[claim] = best[0]
         return claim, best[1]
 
+    def slot_of(self, claim: int | None) -> int | None:
+        """The slot holding ``claim``'s KV now (``None`` for no claim)."""
+        return None if claim is None else self._claims[claim]
+
+    def arrange(self, lo: int, claims: list[int | None]) -> list[int]:
+        """An order of a prefill batch for slots ``lo..lo+len(claims)-1`` that moves the least KV: a claim
+        whose KV already lies in that range goes to its own slot (``place`` then leaves it in place); the
+        others fill the remaining positions in their given order. Returns indices into ``claims``."""
+        n = len(claims)
+        at: list[int | None] = [None] * n
+        rest: list[int] = []
+        for j, c in enumerate(claims):
+            slot = self.slot_of(c)
+            if slot is not None and lo <= slot < lo + n and at[slot - lo] is None:
+                at[slot - lo] = j
+            else:
+                rest.append(j)
+        others = iter(rest)
+        return [j if j is not None else next(others) for j in at]
+
     def place(self, lo: int, claims: list[int | None]) -> None:
         """Make slots ``lo..lo+len(claims)-1`` ready for a prefill batch.
 
