@@ -235,6 +235,27 @@ def test_bad_requests_get_error_completions(engine):
     assert len(engine.generate([req(p, n=5)])[0].token_ids) == 5
 
 
+def test_parameters_of_the_wrong_type_get_error_completions_naming_them(engine):
+    # Values the dataclass does not check; each used to raise inside the engine's loop, which left the
+    # request unanswered.
+    p = prompts(1)[0]
+    bad = {
+        "seed": SamplingParams(max_new_tokens=3, seed="7"),
+        "stop_token_ids": SamplingParams(max_new_tokens=3, stop_token_ids=[[1]]),
+        "max_new_tokens": SamplingParams(max_new_tokens=2.5),
+        "temperature": SamplingParams(max_new_tokens=3, temperature=float("nan")),
+        "top_p": SamplingParams(max_new_tokens=3, top_p="1"),
+    }
+    futures = [engine.submit(GenerationRequest(p, sp)) for sp in bad.values()]
+    futures.append(engine.submit(GenerationRequest(iter(p), SamplingParams(max_new_tokens=3))))
+    outs = [f.result(timeout=60) for f in futures]
+    assert [c.finish_reason for c in outs] == ["error"] * (len(bad) + 1)
+    for field, c in zip([*bad, "prompt_ids"], outs, strict=True):
+        assert c.error.startswith(field), (field, c.error)
+    assert engine.health() == {"ok": True, "version": 0, "active": 0, "queued": 0}
+    assert len(engine.generate([req(p, n=5)])[0].token_ids) == 5
+
+
 def test_bfloat16_serves():
     eng = BuiltinEngine(qwen3(), EngineConfig(max_batch=4, max_seq_len=64), dtype="bfloat16")
     try:

@@ -91,3 +91,31 @@ def test_stopping_an_engine_while_it_gathers_fails_the_held_requests():
     c = fut.result(timeout=60)
     assert c.finish_reason == "error" and "stopped" in c.error
     assert eng.stats()["steps"] == 0
+
+
+class _FailingAdmission(BuiltinEngine):
+    """Fault injection: admitting a request whose first prompt id is 13 raises inside the engine's loop,
+    after it was taken from the queue and before it becomes an active session."""
+
+    def _admit(self, admitted):
+        if any(p.request.prompt_ids[0] == 13 for p in admitted):
+            raise RuntimeError("injected admission fault")
+        super()._admit(admitted)
+
+
+def test_an_iteration_that_raises_answers_every_request_it_took_and_the_engine_keeps_serving():
+    model = build_model(qwen3_config("smoke", vocab_size=V), seed=0).eval()
+    eng = _FailingAdmission(model, EngineConfig(max_batch=8, max_seq_len=256, gather_idle_max_ms=0.0))
+    eng.start()
+    try:
+        running = eng.submit(req([1, 2, 3], n=40))
+        time.sleep(0.05)
+        taken = [eng.submit(req([13, 2, 3])), eng.submit(req([4, 5, 6]))]
+        outs = [f.result(timeout=60) for f in [running, *taken]]
+        assert outs[1].finish_reason == "error" and "injected admission fault" in outs[1].error
+        # Admitted with it (same fault) or in a later iteration; active when it failed, or done before.
+        assert outs[2].finish_reason in ("error", "length") and outs[0].finish_reason in ("error", "length")
+        assert eng.health()["active"] == 0 and eng.health()["queued"] == 0
+        assert len(eng.generate([req([7, 8, 9])])[0].token_ids) == TOKENS
+    finally:
+        eng.stop()

@@ -215,9 +215,7 @@ def _measure(model_path: str, threads: int, batch: int) -> dict[str, float]:
     vocab = int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, vocab, (batch, PROMPT_LEN), generator=g).tolist()
-    config = EngineConfig(
-        max_batch=batch, max_seq_len=PROMPT_LEN + NEW_TOKENS, threads=threads, max_parked=0
-    )
+    config = EngineConfig(max_batch=batch, max_seq_len=PROMPT_LEN + NEW_TOKENS, threads=threads, max_parked=0)
     rates: dict[str, float] = {}
     for name, cls in (("builtin", BuiltinEngine), ("vllm", VllmEngine)):
         engine = cls.from_path(model_path, config, seed=0)

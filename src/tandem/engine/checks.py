@@ -1,8 +1,10 @@
 """Validation shared by every engine: requests and weight updates are checked before anything is touched.
 
 Invariants:
-- ``check_request`` returns an error message naming the bad field, or the number of new tokens the request
-  may sample (``max_new_tokens`` clamped to the room left in ``max_seq_len``).
+- ``check_request`` returns an error message naming the bad field (a value out of range or of the wrong
+  type: prompt ids, ``max_new_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop_token_ids``), or the
+  number of new tokens the request may sample (``max_new_tokens`` clamped to the room left in
+  ``max_seq_len``).
 - ``convert_tensors`` / ``convert_patches`` raise ``EngineError`` naming the tensor for an unknown name, a
   shape mismatch or an index outside the tensor, before any value is written; ``uint16`` data for a
   floating-point target is read as bfloat16 bit patterns (the trainer's publish format).
@@ -35,6 +37,8 @@ def as_values(value: np.ndarray | torch.Tensor, target: torch.Tensor) -> torch.T
 def check_request(req: GenerationRequest, vocab_size: int, max_seq_len: int) -> str | int:
     """Error message, or the number of new tokens this request may sample."""
     ids, sp = req.prompt_ids, req.params
+    if not isinstance(ids, (list, tuple, np.ndarray)):
+        return f"prompt_ids must be a list of token ids, got {type(ids).__name__}"
     if len(ids) == 0:
         return "empty prompt: prompt_ids must hold at least one token id"
     bad = [t for t in ids if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size]
@@ -46,13 +50,26 @@ def check_request(req: GenerationRequest, vocab_size: int, max_seq_len: int) -> 
             f"prompt of {len(ids)} tokens leaves no room in max_seq_len={max_seq_len}; "
             "shorten the prompt or raise engine.max_seq_len"
         )
-    if sp.max_new_tokens < 1:
-        return f"max_new_tokens={sp.max_new_tokens} must be >= 1"
-    if sp.temperature < 0:
-        return f"temperature={sp.temperature} must be >= 0 (0 is greedy)"
-    if not 0.0 < sp.top_p <= 1.0:
-        return f"top_p={sp.top_p} must be in (0, 1]"
+    if not _is_int(sp.max_new_tokens) or sp.max_new_tokens < 1:
+        return f"max_new_tokens={sp.max_new_tokens!r} must be an integer >= 1"
+    if not _is_real(sp.temperature) or not sp.temperature >= 0:
+        return f"temperature={sp.temperature!r} must be a number >= 0 (0 is greedy)"
+    if not _is_real(sp.top_p) or not 0.0 < sp.top_p <= 1.0:
+        return f"top_p={sp.top_p!r} must be a number in (0, 1]"
+    if sp.seed is not None and not _is_int(sp.seed):
+        return f"seed={sp.seed!r} must be an integer or None"
+    stops = sp.stop_token_ids
+    if not isinstance(stops, (list, tuple)) or not all(_is_int(t) for t in stops):
+        return f"stop_token_ids={stops!r} must be a list of integer token ids"
     return min(sp.max_new_tokens, room)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and np.isfinite(x)
 
 
 def convert_tensors(

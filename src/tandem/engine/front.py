@@ -4,8 +4,10 @@ Invariants:
 - ``submit`` never blocks on the model: it queues a ``Pending`` (the request, its future and its submission
   number, from which a request without a seed derives its own) and wakes the engine's loop; a stopped engine
   resolves the future at once with an error completion; an engine never started starts on first submit.
-- A future is resolved exactly once with a ``Completion`` (``resolve`` ignores futures the caller cancelled);
-  errors are ``Completion(finish_reason="error")`` (``error_completion``), never exceptions.
+- A future is resolved exactly once with a ``Completion`` (``resolve`` ignores futures the caller cancelled
+  or that are already resolved); errors are ``Completion(finish_reason="error")`` (``error_completion``),
+  never exceptions. An iteration that raises fails the active sessions and every request it took from the
+  queue, so no request is left unanswered.
 - ``health`` reads the queue and the active sessions under the same lock the loop uses.
 - Idle bursts are gathered (``EngineConfig.gather_idle_ms`` / ``gather_idle_max_ms``): when requests reach an
   idle engine (no session running, no weight update queued), the loop holds them back until (a) as many are
@@ -54,10 +56,10 @@ class Pending:
 
 
 def resolve(fut: Future, completion: Completion) -> None:
-    """Set ``fut``'s result unless the caller cancelled it."""
+    """Set ``fut``'s result unless the caller cancelled it or it is already resolved."""
     try:
         fut.set_result(completion)
-    except InvalidStateError:  # cancelled by the caller
+    except InvalidStateError:  # cancelled by the caller, or resolved before
         pass
 
 
@@ -143,7 +145,10 @@ class RequestFront:
             try:
                 self._iteration(updates, admitted)
             except Exception as e:  # noqa: BLE001 - a bug must not kill the engine; fail the sessions
-                self._fail_active(f"engine error: {type(e).__name__}: {e}")
+                msg = f"engine error: {type(e).__name__}: {e}"
+                self._fail_active(msg)
+                for item in admitted:  # taken from the queue, maybe not yet active: never left unanswered
+                    resolve(item.future, error_completion(msg))
             with self._cv:
                 self._stats["busy_s"] += time.perf_counter() - t0
 
