@@ -593,6 +593,16 @@ BAD = [
     ({"messages": USER, "top_logprobs": -1, "logprobs": True}, "top_logprobs"),
     ({"messages": USER, "top_logprobs": 3}, "top_logprobs"),  # needs logprobs=true
     ({"messages": USER, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    # sampling controls the gateway does not apply: refused, not ignored
+    ({"messages": USER, "frequency_penalty": 1.5}, "frequency_penalty"),
+    ({"messages": USER, "presence_penalty": -0.5}, "presence_penalty"),
+    ({"messages": USER, "logit_bias": {"5": 100}}, "logit_bias"),
+    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": USER, "top_k": 40}, "top_k"),
+    ({"messages": USER, "min_p": 0.1}, "min_p"),
+    ({"messages": USER, "best_of": 3}, "best_of"),
+    ({"messages": USER, "repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"messages": USER, "frequency_penalty": False}, "frequency_penalty"),
 ]
 
 
@@ -603,6 +613,24 @@ def test_bad_input_is_400_naming_the_field(http, body, param):
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error"
     assert param.split("[")[0].split(".")[0] in err["message"]
+
+
+def test_neutral_values_of_unapplied_sampling_controls_are_accepted(http):
+    # What SDKs and harnesses send by default must keep working.
+    neutral = {
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "logit_bias": {},
+        "top_k": -1,
+        "min_p": 0,
+        "best_of": 1,
+        "response_format": {"type": "text"},
+    }
+    r = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, **neutral})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, **dict.fromkeys(neutral)})
+    assert r.status_code == 200, r.text
 
 
 def test_failed_request_leaves_no_session(http):

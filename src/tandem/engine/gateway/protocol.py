@@ -12,7 +12,9 @@ Invariants:
   turn's start, ``tandem.engine.gateway.forcing``); ``top_logprobs`` (0-20, at most the engine's
   ``max_top_logprobs``) needs ``logprobs=true`` when above 0, as OpenAI's API does.
 - Sampling fields are range-checked here; limits that depend on the prompt length (the context) are checked
-  by the caller once the prompt is rendered.
+  by the caller once the prompt is rendered. Sampling controls the gateway does not apply (``NEUTRAL``:
+  penalties, ``logit_bias``, ``top_k``, ``min_p``, ``best_of``, a ``response_format`` other than text) are
+  accepted only at their neutral values and otherwise refused naming the field, never silently ignored.
 """
 
 from __future__ import annotations
@@ -236,6 +238,35 @@ def _flag(body: dict[str, Any], key: str) -> bool:
     return v
 
 
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "top_k": (0, -1),
+    "min_p": (0,),
+    "best_of": (1,),
+    "response_format": ({"type": "text"},),
+}
+"""Sampling controls the gateway does not apply, with the values that leave sampling unchanged (or null).
+Any other value is refused: training's importance ratios assume each token was sampled from the model's
+own distribution at the request's temperature (and top-p), which a penalty, a bias, a top-k or min-p cut,
+best-of selection or a constrained format would change without the recorded logprobs saying so."""
+
+
+def _refuse_unapplied(body: dict[str, Any]) -> None:
+    for key, neutral in NEUTRAL.items():
+        v = body.get(key)
+        if v is None or any(type(v) is not bool and v == x for x in neutral):
+            continue
+        shown = " or ".join(json.dumps(x) for x in neutral)
+        raise BadRequest(
+            f"{key}={json.dumps(v)} is not supported: this gateway samples from the model's own distribution "
+            f"(temperature and top_p only), which training assumes; send {key}={shown} or omit it",
+            key,
+        )
+
+
 def parse_chat_request(
     body: Any, *, max_n: int, max_tokens_limit: int, max_top_logprobs: int = 0
 ) -> ChatRequest:
@@ -244,6 +275,7 @@ def parse_chat_request(
         raise BadRequest("the request body must be a JSON object", None)
     messages = parse_messages(body.get("messages"))
     tools = parse_tools(body.get("tools"))
+    _refuse_unapplied(body)
     req = ChatRequest(
         messages=messages, tools=tools, tool_choice=_tool_choice(body.get("tool_choice"), tools)
     )
