@@ -213,3 +213,28 @@ def test_a_lockstep_group_back_in_any_order_is_prefilled_where_it_parked():
     finally:
         reuse.stop()
         plain.stop()
+
+
+def test_sessions_finishing_together_park_in_place_and_one_runner_fills_the_gap():
+    # Slots 0-2 finish at the same step while slot 3 runs on: slots 1 and 2 stay parked where they are,
+    # slot 0 is parked in a free slot and slot 3 moves down into it (two copies; retiring one at a time,
+    # each from the last running slot, took six). Their next turns match an engine without reuse.
+    reuse, plain = engines(max_batch=4, max_parked=4)
+    copies: list[tuple[int, int]] = []
+    move = reuse._runner.move
+    reuse._runner.move = lambda src, dst: (copies.append((src, dst)), move(src, dst))[1]
+    try:
+        ps = [tokens(20 + i, 60 + i) for i in range(4)]
+        firsts = reuse.generate([req(p, n=3 if i < 3 else 6) for i, p in enumerate(ps)])
+        assert len(copies) == 2 and copies[1] == (3, 0), copies
+        assert reuse.stats()["parked"] == 4
+        follow = [p + c.token_ids + [5, 6] for p, c in zip(ps, firsts, strict=True)]
+        h = reuse.stats()["prefix_hit_tokens"]
+        outs = reuse.generate([req(f, n=4) for f in follow])
+        assert reuse.stats()["prefix_hit_tokens"] - h == sum(len(f) - 3 for f in follow)
+        ref = plain.generate([req(f, n=4) for f in follow])
+        assert [c.token_ids for c in outs] == [c.token_ids for c in ref]
+        np.testing.assert_allclose([c.logprobs for c in outs], [c.logprobs for c in ref], atol=1e-5)
+    finally:
+        reuse.stop()
+        plain.stop()

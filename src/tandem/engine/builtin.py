@@ -485,7 +485,8 @@ class BuiltinEngine(RequestFront):
                 finished.append(first + k)
         with self._cv:
             self._stats["tokens_generated"] += len(sessions)
-        for slot in sorted(finished, reverse=True):
+        sequences: dict[int, list[int]] = {}
+        for slot in finished:
             s = self._active[slot]
             reason = "stop" if s.tokens[-1] in s.stop else "length"
             completion = Completion(s.tokens, s.logprobs, s.versions, reason, logmass=s.logmass)
@@ -495,21 +496,32 @@ class BuiltinEngine(RequestFront):
                 self._runner.feed(slot, s.tokens[-1])
                 completion.routed_experts = self._runner.routes(slot).copy()
             resolve(s.future, completion)
-            self._remove(slot, [*s.request.prompt_ids, *s.tokens])
+            sequences[slot] = [int(t) for t in (*s.request.prompt_ids, *s.tokens)]
+        if finished:
+            self._retire(sequences)
 
-    def _remove(self, slot: int, sequence: list[int]) -> None:
-        """Retire the session in ``slot`` (parking its KV if it may be reused), moving the last session into
-        it so active slots stay contiguous."""
-        last = len(self._active) - 1
-        kept = self._prefix.park(slot, len(self._active), [int(t) for t in sequence])
-        if kept:
-            self._expect_return()
-        if slot != last:
-            self._runner.move(last, slot)
-            self._active[slot] = self._active[last]
-        elif not kept:
-            self._runner.release(slot)
-        self._active.pop()
+    def _retire(self, sequences: dict[int, list[int]]) -> None:
+        """Retire the sessions in the given slots (parking the KV of each whose sequence may be reused) so
+        the active slots stay contiguous (``0..n'-1``), copying as little KV as it can: a finished slot at
+        or above ``n'`` keeps its KV where it is; each one below takes a running session from at or above
+        ``n'``, its own KV parked in a free slot first (two copies per such pair). Sessions finishing
+        together after their admission was split (an HTTP harness's group arriving in two bursts) used to
+        cost two copies each; retiring a whole lockstep group costs none."""
+        n = len(self._active)
+        keep = n - len(sequences)
+        holes = sorted(slot for slot in sequences if slot < keep)
+        movers = [slot for slot in range(keep, n) if slot not in sequences]
+        for hole, mover in zip(holes, movers, strict=True):
+            if self._prefix.park(hole, n, sequences[hole], in_place=False):
+                self._expect_return()
+            self._runner.move(mover, hole)
+            self._active[hole] = self._active[mover]
+        for slot in sorted(slot for slot in sequences if slot >= keep):
+            if self._prefix.park(slot, n, sequences[slot], in_place=True):
+                self._expect_return()
+            else:
+                self._runner.release(slot)
+        del self._active[keep:]
 
     def _fail_active(self, msg: str) -> None:
         sessions, self._active = self._active, []

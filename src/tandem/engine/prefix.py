@@ -147,12 +147,14 @@ class PrefixCache:
                 if src != lo + j:
                     self.runner.move(src, lo + j)
 
-    def park(self, slot: int, n_active: int, sequence: list[int]) -> bool:
-        """Keep retiring ``slot``'s KV (``sequence`` = prompt + sampled) at a slot ``>= n_active - 1``.
+    def park(self, slot: int, n_active: int, sequence: list[int], in_place: bool | None = None) -> bool:
+        """Keep retiring ``slot``'s KV (``sequence`` = prompt + sampled) where no active session will be.
 
-        ``n_active`` counts the retiring session. If ``slot`` is the last active slot its KV stays in place,
-        else it moves to a free slot above the active ones. False (nothing kept) when parking is off, the
-        valid prefix is shorter than ``MIN_REUSE``, or every budget entry is claimed.
+        ``n_active`` counts the retiring sessions. With ``in_place`` (default: ``slot`` is the last active
+        slot) the KV stays in ``slot``, which the caller guarantees ends up at or above the active count once
+        the retiring sessions are gone; else it moves to a free slot ``>= n_active``. False (nothing kept)
+        when parking is off, the valid prefix is shorter than ``MIN_REUSE``, or every budget entry is
+        claimed.
         """
         n_valid = self.runner.lens[slot]
         if self.capacity == 0 or n_valid < MIN_REUSE or not self.runner.can_park(slot):
@@ -163,8 +165,9 @@ class PrefixCache:
             oldest = min(self._age, key=self._age.__getitem__)
             self._pop(oldest)
             self.runner.release(oldest)
-        last = n_active - 1
-        dst = slot if slot == last else self._free(n_active)
+        if in_place is None:
+            in_place = slot == n_active - 1
+        dst = slot if in_place else self._free(n_active)
         if dst != slot:
             self.runner.move(slot, dst)
         self._add(dst, np.asarray(sequence[:n_valid], dtype=np.int64))
