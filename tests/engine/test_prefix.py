@@ -190,14 +190,26 @@ def test_same_parked_prefix_claimed_once_and_bad_requests_still_fail_cleanly():
         plain.stop()
 
 
+def record_copies(eng: BuiltinEngine) -> list[tuple[int, int]]:
+    """The (source, destination) slots of every KV copy ``eng``'s runner makes from now on, appended as they
+    happen (the runner's own ``move`` still does the copy)."""
+    copies: list[tuple[int, int]] = []
+    move = eng._runner.move
+
+    def recorded(src: int, dst: int) -> None:
+        copies.append((src, dst))
+        move(src, dst)
+
+    eng._runner.move = recorded
+    return copies
+
+
 def test_a_lockstep_group_back_in_any_order_is_prefilled_where_it_parked():
     # Four sessions finish a turn at the same step and park in slots 0..3; their next turns arrive in
     # reverse order. Admission puts each where its KV lies, so no KV is copied, and the outputs are those
     # of an engine without reuse.
     reuse, plain = engines(max_batch=4, max_parked=4)
-    copies: list[tuple[int, int]] = []
-    move = reuse._runner.move
-    reuse._runner.move = lambda src, dst: (copies.append((src, dst)), move(src, dst))[1]
+    copies = record_copies(reuse)
     try:
         ps = [tokens(24 + i, 40 + i) for i in range(4)]
         firsts = reuse.generate([req(p, n=5) for p in ps])
@@ -220,9 +232,7 @@ def test_sessions_finishing_together_park_in_place_and_one_runner_fills_the_gap(
     # slot 0 is parked in a free slot and slot 3 moves down into it (two copies; retiring one at a time,
     # each from the last running slot, took six). Their next turns match an engine without reuse.
     reuse, plain = engines(max_batch=4, max_parked=4)
-    copies: list[tuple[int, int]] = []
-    move = reuse._runner.move
-    reuse._runner.move = lambda src, dst: (copies.append((src, dst)), move(src, dst))[1]
+    copies = record_copies(reuse)
     try:
         ps = [tokens(20 + i, 60 + i) for i in range(4)]
         firsts = reuse.generate([req(p, n=3 if i < 3 else 6) for i, p in enumerate(ps)])
