@@ -239,18 +239,19 @@ def test_parameters_of_the_wrong_type_get_error_completions_naming_them(engine):
     # Values the dataclass does not check; each used to raise inside the engine's loop, which left the
     # request unanswered.
     p = prompts(1)[0]
-    bad = {
-        "seed": SamplingParams(max_new_tokens=3, seed="7"),
-        "stop_token_ids": SamplingParams(max_new_tokens=3, stop_token_ids=[[1]]),
-        "max_new_tokens": SamplingParams(max_new_tokens=2.5),
-        "temperature": SamplingParams(max_new_tokens=3, temperature=float("nan")),
-        "top_p": SamplingParams(max_new_tokens=3, top_p="1"),
-    }
-    futures = [engine.submit(GenerationRequest(p, sp)) for sp in bad.values()]
+    bad = [
+        ("seed", SamplingParams(max_new_tokens=3, seed="7")),
+        ("stop_token_ids", SamplingParams(max_new_tokens=3, stop_token_ids=[[1]])),
+        ("max_new_tokens", SamplingParams(max_new_tokens=2.5)),
+        ("temperature", SamplingParams(max_new_tokens=3, temperature=float("nan"))),
+        ("top_p", SamplingParams(max_new_tokens=3, top_p="1")),
+        ("top_p", SamplingParams(max_new_tokens=3, top_p=10**400)),  # too large for a float
+    ]
+    futures = [engine.submit(GenerationRequest(p, sp)) for _, sp in bad]
     futures.append(engine.submit(GenerationRequest(iter(p), SamplingParams(max_new_tokens=3))))
     outs = [f.result(timeout=60) for f in futures]
     assert [c.finish_reason for c in outs] == ["error"] * (len(bad) + 1)
-    for field, c in zip([*bad, "prompt_ids"], outs, strict=True):
+    for field, c in zip([*(f for f, _ in bad), "prompt_ids"], outs, strict=True):
         assert c.error.startswith(field), (field, c.error)
     assert engine.health() == {"ok": True, "version": 0, "active": 0, "queued": 0}
     assert len(engine.generate([req(p, n=5)])[0].token_ids) == 5

@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -69,7 +70,10 @@ def _is_int(x: object) -> bool:
 
 
 def _is_real(x: object) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool) and np.isfinite(x)
+    """A finite number, not a bool (an integer of any size counts)."""
+    if _is_int(x):
+        return True
+    return isinstance(x, (float, np.floating)) and math.isfinite(x)
 
 
 def convert_tensors(
