@@ -633,6 +633,13 @@ def test_neutral_values_of_unapplied_sampling_controls_are_accepted(http):
     assert r.status_code == 200, r.text
 
 
+def test_a_large_refused_value_is_not_echoed_whole(http):
+    bias = {str(t): 1 for t in range(2000)}
+    r = http.post("/v1/chat/completions", json={"messages": USER, "logit_bias": bias})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    assert len(r.json()["error"]["message"]) < 400
+
+
 def test_failed_request_leaves_no_session(http):
     r = http.post(
         "/v1/chat/completions",

@@ -260,8 +260,10 @@ def _refuse_unapplied(body: dict[str, Any]) -> None:
         if v is None or any(type(v) is not bool and v == x for x in neutral):
             continue
         shown = " or ".join(json.dumps(x) for x in neutral)
+        sent = json.dumps(v)
+        sent = sent if len(sent) <= 80 else sent[:77] + "..."  # a large logit_bias is not echoed whole
         raise BadRequest(
-            f"{key}={json.dumps(v)} is not supported: this gateway samples from the model's own distribution "
+            f"{key}={sent} is not supported: this gateway samples from the model's own distribution "
             f"(temperature and top_p only), which training assumes; send {key}={shown} or omit it",
             key,
         )
