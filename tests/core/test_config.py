@@ -47,11 +47,28 @@ def test_overrides_parse_toml_values(tmp_path):
         ("engine.gather_idle_ms=-1", "engine.gather_idle_ms"),
         ("engine.gather_idle_max_ms=1e9", "engine.gather_idle_max_ms"),
         ("weights.lead_yield_ms=-5", "weights.lead_yield_ms"),
+        ("train.lr=nan", "train.lr`: Input should be a finite number"),
+        ("train.lr=inf", "train.lr`: Input should be a finite number"),
+        ("tasks.wall_time_s=-inf", "tasks.wall_time_s`: Input should be a finite number"),
+        ("train.betas=[0.9,1.0]", "train.betas must each be in"),
+        ("train.grad_clip=-1", "train.grad_clip must be >= 0"),
+        ("train.weight_decay=-0.1", "train.weight_decay must be >= 0"),
+        ("train.kl_coef=-1", "train.kl_coef must be >= 0"),
+        ("eval.temperature=0", "eval.temperature must be >= 0.001"),
+        ("rollout.temperature=1e-40", "rollout.temperature must be >= 0.001"),
+        ("orchestrator.time_budget_s=-1", "orchestrator.time_budget_s must be >= 0"),
     ],
 )
 def test_invalid_config_names_the_field(override, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(overrides=[override])
+
+
+def test_a_cross_field_error_names_the_field_without_dumping_the_config():
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["orchestrator.steps=-1"])
+    assert "orchestrator.steps must be > 0, got -1" in str(info.value)
+    assert "'model'" not in str(info.value) and "Value error" not in str(info.value)
 
 
 def test_missing_and_malformed_files(tmp_path):

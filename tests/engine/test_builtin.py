@@ -244,6 +244,7 @@ def test_parameters_of_the_wrong_type_get_error_completions_naming_them(engine):
         ("stop_token_ids", SamplingParams(max_new_tokens=3, stop_token_ids=[[1]])),
         ("max_new_tokens", SamplingParams(max_new_tokens=2.5)),
         ("temperature", SamplingParams(max_new_tokens=3, temperature=float("nan"))),
+        ("temperature", SamplingParams(max_new_tokens=3, temperature=1e-38)),  # overflowed the scaled logits
         ("top_p", SamplingParams(max_new_tokens=3, top_p="1")),
         ("top_p", SamplingParams(max_new_tokens=3, top_p=10**400)),  # too large for a float
     ]

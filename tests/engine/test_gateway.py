@@ -729,6 +729,8 @@ def test_default_bind_is_loopback_and_open_bind_needs_a_key():
     assert GatewayConfig(host="0.0.0.0", api_key="k").api_key == "k"
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.com")
+    with pytest.raises(ValidationError, match="finite number"):
+        GatewayConfig(request_timeout_s=float("inf"))
 
 
 def test_serve_cli_refuses_bad_starts():

@@ -22,12 +22,16 @@ from pydantic import (
 )
 
 from tandem.core.errors import ConfigError
+from tandem.core.generation import MIN_TEMPERATURE
 
 
 class Section(BaseModel):
-    """Base class of config sections: strict keys, docstrings per field (via ``description``)."""
+    """Base class of config sections: strict keys, docstrings per field (via ``description``), finite numbers
+    only (NaN and infinity are refused naming the field: every float here is a rate, a size or a time)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
 
 
 class ModelConfig(Section):
@@ -606,8 +610,22 @@ class RunConfig(Section):
                 raise ValueError(f"train.{name} must be > 0, got {value}")
         if not 0 < t.icepop_band[0] < t.icepop_band[1]:
             raise ValueError(f"train.icepop_band must satisfy 0 < low < high, got {list(t.icepop_band)}")
-        if self.rollout.temperature <= 0:
-            raise ValueError("rollout.temperature must be > 0 (greedy decoding is not a policy to train)")
+        if self.rollout.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"rollout.temperature must be >= {MIN_TEMPERATURE}, got {self.rollout.temperature} (greedy "
+                "decoding is not a policy to train)"
+            )
+        if self.eval.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"eval.temperature must be >= {MIN_TEMPERATURE}, got {self.eval.temperature}")
+        nonnegative = {
+            "train.weight_decay": t.weight_decay, "train.grad_clip": t.grad_clip, "train.kl_coef": t.kl_coef,
+            "orchestrator.time_budget_s": self.orchestrator.time_budget_s,
+        }  # fmt: skip
+        for name, value in nonnegative.items():
+            if value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if not all(0.0 <= b < 1.0 for b in t.betas):
+            raise ValueError(f"train.betas must each be in [0, 1), got {list(t.betas)}")
         if t.router_replay != "off":
             if t.router_replay == "r3" and self.engine.kind == "vllm":
                 raise ValueError(
@@ -678,7 +696,10 @@ def _set_dotted(d: dict[str, Any], key: str, value: Any) -> None:
 def _format_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "(config)"
+        loc = ".".join(str(x) for x in e["loc"])
+        if not loc:  # a cross-field check: its message names the fields (the input is the whole config)
+            lines.append(e["msg"].removeprefix("Value error, "))
+            continue
         lines.append(f"config field `{loc}`: {e['msg']} (got {e.get('input')!r})")
     return "invalid config:\n  " + "\n  ".join(lines)
 

@@ -11,6 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+MIN_TEMPERATURE = 1e-3
+"""The smallest sampling temperature above 0 (greedy) an engine accepts: below about 1e-37 the scaled logits
+overflow float32 (garbage tokens with NaN logprobs), and far above that the trainer's recomputed ratios at the
+recorded temperature are already dominated by rounding. Engines, the gateway and the run config refuse
+``0 < temperature < MIN_TEMPERATURE`` naming the field."""
+
 
 @dataclass
 class SamplingParams:

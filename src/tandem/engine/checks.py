@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from tandem.core.errors import EngineError
-from tandem.core.generation import GenerationRequest
+from tandem.core.generation import MIN_TEMPERATURE, GenerationRequest
 
 Patches = dict[str, tuple[np.ndarray, np.ndarray]]
 """``patch_weights`` input: tensor name -> (flat indices, new values)."""
@@ -53,8 +53,8 @@ def check_request(req: GenerationRequest, vocab_size: int, max_seq_len: int) -> 
         )
     if not _is_int(sp.max_new_tokens) or sp.max_new_tokens < 1:
         return f"max_new_tokens={sp.max_new_tokens!r} must be an integer >= 1"
-    if not _is_real(sp.temperature) or not sp.temperature >= 0:
-        return f"temperature={sp.temperature!r} must be a number >= 0 (0 is greedy)"
+    if not _is_real(sp.temperature) or not (sp.temperature == 0 or sp.temperature >= MIN_TEMPERATURE):
+        return f"temperature={sp.temperature!r} must be 0 (greedy) or a number >= {MIN_TEMPERATURE}"
     if not _is_real(sp.top_p) or not 0.0 < sp.top_p <= 1.0:
         return f"top_p={sp.top_p!r} must be a number in (0, 1]"
     if sp.seed is not None and not _is_int(sp.seed):

@@ -27,7 +27,9 @@ def is_loopback(host: str) -> bool:
 class GatewayConfig(BaseModel):
     """Settings of one gateway process (see module invariants)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True, allow_inf_nan=False
+    )
 
     host: str = "127.0.0.1"
     """Address to listen on. Anything but a loopback address requires `api_key`."""
