@@ -41,3 +41,26 @@ def test_killing_the_only_engine_ends_the_run_with_an_error(tmp_path):
     assert time.monotonic() - killed["at"] < 120
     log = (tmp_path / "rollout_errors.log").read_text()
     assert "engine 0 died" in log
+
+
+@pytest.mark.slow
+def test_a_context_too_short_for_every_prompt_stops_the_run_fast_naming_it(tmp_path):
+    """Every session fails in the engine (its prompt does not fit engine.max_seq_len): the starting
+    evaluation raises with the engine's reason instead of reporting pass@1 = 0, and without it the run
+    stops after FAIL_FAST_GROUPS failed groups instead of waiting orchestrator.request_timeout_s."""
+    reason = "leaves no room in max_seq_len=8"
+    cfg = build_config("smoke", None, ["engine.max_seq_len=8", "orchestrator.request_timeout_s=600"])
+    try:
+        with pytest.raises(TandemError, match=f"evaluating the starting model failed: every one .*{reason}"):
+            train(cfg, tmp_path / "with_eval", quiet=True)
+    finally:
+        ray.shutdown()
+    cfg.eval.before_after = False
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TandemError, match=f"rollout groups all failed .*{reason}"):
+            train(cfg, tmp_path / "without_eval", quiet=True)
+    finally:
+        ray.shutdown()
+    assert time.monotonic() - t0 < 300  # well before the 600 s request timeout
+    assert reason in (tmp_path / "without_eval" / "rollout_errors.log").read_text()

@@ -6,7 +6,9 @@ Invariants:
   Nothing is ever re-tokenized.
 - ``loss_mask`` is 1 only on sampled tokens; observations and prompts carry NaN logprobs and version -1.
 - A malformed tool call, a missing tool call, a failing tool or an engine error never raises: it becomes an
-  error observation (or ends the session) and a counted statistic. The sandbox is always closed (its
+  error observation (or ends the session) and a counted statistic. A session an engine or sandbox error
+  ended has the ``engine_error``/``sandbox_error`` flag and, as its last message, the reason
+  (``session_error``). The sandbox is always closed (its
   teardown runs on the sandbox reaper). It is created while the engine writes the first turn, so its
   start latency is hidden; a sandbox that cannot start ends the session at the first tool call.
 - Scoring happens in a fresh sandbox on a snapshot of the agent's workspace (see ``tandem.env.reward``).
@@ -34,6 +36,19 @@ from tandem.core.generation import ChatFormat, Completion, GenerationRequest, Sa
 from tandem.core.records import Message, Reward, SegmentBuilder, Task, Trajectory
 
 GenerateFn = Callable[[GenerationRequest], Awaitable[Completion]]
+ENGINE_ERROR = "engine error: "  # the last message of a session an engine error ended, then the reason
+SANDBOX_ERROR = "sandbox error: "  # likewise for a sandbox that could not start
+
+
+def session_error(trajectory: Trajectory) -> str | None:
+    """Why the session ended before it could be graded (``engine error: ...`` or ``sandbox error: ...``, as
+    its last message says), or None when it ended normally."""
+    if not (trajectory.flags.get("engine_error") or trajectory.flags.get("sandbox_error")):
+        return None
+    for m in reversed(trajectory.messages):
+        if isinstance(m.content, str) and m.content.startswith((ENGINE_ERROR, SANDBOX_ERROR)):
+            return m.content
+    return "engine error" if trajectory.flags.get("engine_error") else "sandbox error"
 
 
 def segment_routes(routes: Any, covered: int, length: int) -> np.ndarray | None:
@@ -105,7 +120,7 @@ async def run_session(
                 sandbox = await fut
             except Exception as e:  # noqa: BLE001 - a sandbox failure ends this session, not the run
                 flags["sandbox_error"] = True
-                messages.append(Message("tool", f"sandbox error: {e}"))
+                messages.append(Message("tool", f"{SANDBOX_ERROR}{e}"))
         return sandbox is not None
 
     try:
@@ -127,6 +142,7 @@ async def run_session(
             timings["generate_s"] += time.monotonic() - t0
             if completion.finish_reason == "error":
                 flags["engine_error"] = True
+                messages.append(Message("tool", f"{ENGINE_ERROR}{completion.error or 'no reason given'}"))
                 break
             builder.add_sampled(
                 completion.token_ids,

@@ -109,6 +109,9 @@ class EngineActor:
         self.engine.stop()
 
 
+FAIL_FAST_GROUPS = 16  # groups failing in a row (none finishing) after which the trainer stops waiting
+
+
 @ray.remote(num_cpus=0)
 class BufferActor:
     """FIFO of finished groups with credit-based admission and staleness filtering."""
@@ -121,6 +124,8 @@ class BufferActor:
         self.max_groups = max_groups
         self.counters = {"produced": 0, "dropped_stale": 0, "failed": 0, "taken": 0}
         self.last_progress = time.monotonic()
+        self.failed_in_a_row = 0  # groups failed since the last one that finished
+        self.last_failure = ""
 
     async def grant(self, n: int) -> None:
         async with self.cond:
@@ -139,13 +144,17 @@ class BufferActor:
         async with self.cond:
             self.groups.append(group)
             self.counters["produced"] += 1
+            self.failed_in_a_row = 0
             self.last_progress = time.monotonic()
             self.cond.notify_all()
 
-    async def failed(self) -> None:
-        """A group failed: give its credit back so another one starts."""
+    async def failed(self, reason: str = "") -> None:
+        """A group failed: give its credit back so another one starts (``take`` gives up after
+        ``FAIL_FAST_GROUPS`` failures in a row)."""
         async with self.cond:
             self.counters["failed"] += 1
+            self.failed_in_a_row += 1
+            self.last_failure = reason or self.last_failure
             self.credits += 1
             self.cond.notify_all()
 
@@ -175,6 +184,11 @@ class BufferActor:
                     break
                 if self.closed:
                     raise RuntimeError("buffer closed while the trainer waited for groups")
+                if self.failed_in_a_row >= FAIL_FAST_GROUPS:
+                    raise RuntimeError(
+                        f"the last {self.failed_in_a_row} rollout groups all failed and none finished "
+                        f"since; the last failure: {self.last_failure}"
+                    )
                 idle = time.monotonic() - max(self.last_progress, deadline_base)
                 if idle > timeout_s:
                     raise TimeoutError(
@@ -259,18 +273,24 @@ class RolloutActor:
             t.add_done_callback(self.inflight.discard)
 
     async def _one_group(self, task: Task, limit: asyncio.Semaphore) -> None:
+        from tandem.env.harness import session_error
+        from tandem.rollout.worker import MAX_TASK_ATTEMPTS
+
         try:
             group = await asyncio.wait_for(
                 self.worker.run_group(task), timeout=self.cfg.orchestrator.request_timeout_s
             )
-            if any(t.flags.get("engine_error") for t in group.trajectories):
-                raise RuntimeError("engine error during the group")
+            failed = [t for t in group.trajectories if t.flags.get("engine_error")]
+            if failed:
+                raise RuntimeError(f"a session of the group failed: {session_error(failed[0])}")
             await self.buffer.put.remote(group)
         except Exception as e:  # noqa: BLE001 - requeue and keep producing
-            self.errors.append(f"group {task.id}: {type(e).__name__}: {e}")
-            self.stream.requeue(task)
+            reason = f"group {task.id}: {type(e).__name__}: {e}"
+            if not self.stream.requeue(task):
+                reason += f" (task dropped after {MAX_TASK_ATTEMPTS} failed attempts)"
+            self.errors.append(reason)
             await asyncio.sleep(1.0)  # back off so a broken engine does not turn into a busy loop
-            await self.buffer.failed.remote()
+            await self.buffer.failed.remote(reason)
         finally:
             limit.release()
 

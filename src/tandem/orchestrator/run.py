@@ -138,7 +138,14 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
     eval_before = None
     if cfg.eval.before_after and not resume:
         progress.note("evaluating the starting model on the held-out split")
-        eval_before = _evaluate(cfg, workers[0], eval_tasks)
+        try:
+            eval_before = _evaluate(cfg, workers[0], eval_tasks)
+        except Exception as e:
+            logger.close()
+            _teardown([*workers, *engines, trainer, buffer, *weights.actors()])
+            weights.remove_share()
+            cause = getattr(e, "cause", None) or e
+            raise TandemError(f"evaluating the starting model failed: {cause}") from e
         (run_dir / "eval_before.json").write_text(json.dumps(eval_before, indent=2))
 
     ray.get(buffer.grant.remote((o.max_staleness + 1) * b if o.mode == "async" else b))
@@ -203,7 +210,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
         cause = getattr(e, "cause", None) or e
         raise TandemError(
             f"training stopped at step {step}: {type(cause).__name__}: {cause}"
-            + (f" (last rollout error: {errors[-1]})" if errors else "")
+            + (f" (last rollout error: {errors[-1]})" if errors and errors[-1] not in str(cause) else "")
         ) from e
     wall = time.monotonic() - start
     machine_cores = busy_cores(ticks0, cpu_ticks())

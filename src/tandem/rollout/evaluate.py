@@ -1,6 +1,9 @@
 """Held-out evaluation: pass@k with the unbiased estimator of Chen et al. 2021 (HumanEval/Codex paper).
 
 Invariants: a sample passes only if its reward component ``pass_fraction`` is 1 (all hidden tests passed);
+an evaluation in which no session could be graded (each ended by an engine or sandbox error) raises
+``EvaluationError`` with the first reason instead of reporting pass@1 = 0 (``session_error_rate`` reports
+partial failures);
 ``pass@k`` is the mean over tasks of 1 - C(n-c, k) / C(n, k), defined only for k <= n samples per task.
 """
 
@@ -10,8 +13,14 @@ import asyncio
 import math
 from typing import Any
 
+from tandem.core.errors import TandemError
 from tandem.core.records import Task
+from tandem.env.harness import session_error
 from tandem.rollout.worker import RolloutWorker
+
+
+class EvaluationError(TandemError, RuntimeError):
+    """No session of an evaluation could be graded (every one ended by an engine or sandbox error)."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -46,6 +55,13 @@ async def evaluate(
             return await worker.run_group(task, samples_per_task, temperature)
 
     groups = await asyncio.gather(*(one(t) for t in tasks))
+    trajs = [t for g in groups for t in g.trajectories]
+    errors = [e for t in trajs if (e := session_error(t)) is not None]
+    if trajs and len(errors) == len(trajs):
+        raise EvaluationError(
+            f"every one of the {len(trajs)} evaluation sessions failed before it could be graded, e.g. "
+            f"{errors[0]}"
+        )
     result: dict[str, Any] = {"n": len(tasks), "samples_per_task": samples_per_task}
     per_task = [(g.task_id, sum(sample_passed(t.reward.components) for t in g.trajectories)) for g in groups]
     for k in ks:
@@ -55,7 +71,7 @@ async def evaluate(
         level = str(task.meta.get("level", "?"))
         by_level.setdefault(level, []).append(c / samples_per_task)
     result["pass@1_by_level"] = {lv: sum(v) / len(v) for lv, v in sorted(by_level.items())}
-    trajs = [t for g in groups for t in g.trajectories]
+    result["session_error_rate"] = len(errors) / max(1, len(trajs))
     result["submitted_rate"] = sum(t.flags.get("submitted", False) for t in trajs) / max(1, len(trajs))
     result["malformed_per_session"] = sum(t.tool_stats.get("malformed_calls", 0) for t in trajs) / max(
         1, len(trajs)

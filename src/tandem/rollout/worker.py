@@ -19,22 +19,33 @@ from tandem.core.generation import ChatFormat, SamplingParams
 from tandem.core.records import Group, Task, TaskLimits
 from tandem.env.harness import GenerateFn, run_session
 
+MAX_TASK_ATTEMPTS = 3  # failed groups of one task after which the stream drops it
+
 
 class TaskStream:
     """An endless, deterministic stream of training-split tasks of ``tasks.source`` from index
     ``tasks.train_start`` on (builtin: cycling over the configured levels; see
     ``tandem.env.sources.task_at``).
 
-    Requeued tasks (from failed groups) are served before new ones.
+    Requeued tasks (from failed groups) are served before new ones; a task whose groups failed
+    ``MAX_TASK_ATTEMPTS`` times is dropped instead (its failure is deterministic, e.g. a prompt longer
+    than the engine's context, and requeueing it forever would starve the stream).
     """
 
     def __init__(self, cfg: RunConfig, worker_index: int = 0, num_workers: int = 1) -> None:
         self._cfg = cfg
         self._indices: Iterator[int] = itertools.count(cfg.tasks.train_start + worker_index, num_workers)
         self._requeued: list[Task] = []
+        self._failures: dict[str, int] = {}  # task id -> failed groups so far
 
-    def requeue(self, task: Task) -> None:
+    def requeue(self, task: Task) -> bool:
+        """Serve ``task`` again next; False (and not requeued) once it has failed ``MAX_TASK_ATTEMPTS``
+        times."""
+        n = self._failures[task.id] = self._failures.get(task.id, 0) + 1
+        if n >= MAX_TASK_ATTEMPTS:
+            return False
         self._requeued.append(task)
+        return True
 
     def __next__(self) -> Task:
         from tandem.env.sources import task_at
