@@ -78,6 +78,12 @@ def test_unknown_preset_is_rejected():
     assert r.returncode == 2 and "huge" in r.stderr
 
 
+def test_bench_pipeline_refuses_a_budget_that_is_not_a_positive_finite_number():
+    for bad in ("inf", "nan", "-1"):
+        r = tandem("bench", "pipeline", "--budget-s", bad)
+        assert r.returncode == 2 and "--budget-s must be a finite number" in r.stderr, r.stderr[-500:]
+
+
 def test_bench_prefix_reuses_kv_and_rejects_bad_counts():
     r = tandem("bench", "prefix", "--sessions", "2", "--turns", "2", "--threads", "1", "--json")
     assert r.returncode == 0, r.stderr[-2000:]

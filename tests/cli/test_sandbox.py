@@ -67,7 +67,8 @@ def test_pids_limit_applies(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "flag,value", [("--memory", "0"), ("--pids", "-1"), ("--max-output", "0"), ("--memory", "lots")]
+    "flag,value",
+    [("--memory", "0"), ("--pids", "-1"), ("--max-output", "0"), ("--memory", "lots"), ("--timeout", "inf")],
 )
 def test_bad_limits_exit_2_naming_the_flag(tmp_path: Path, flag: str, value: str) -> None:
     r = runner.invoke(app, ["run", "--workspace", str(tmp_path), flag, value, "--", "true"])

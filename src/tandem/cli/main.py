@@ -7,6 +7,7 @@ naming the field or value and what to do; no traceback for errors tandem raises 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -149,6 +150,8 @@ def bench_pipeline(
 ) -> None:
     """Sync vs async for the same wall-clock budget: samples/s, busy fractions, held-out pass@1, and the
     machine's busy cores per mode with the speedup that many cores allow (speedup_cap)."""
+    if not 0 < budget_s < math.inf:
+        fail(f"--budget-s must be a finite number of seconds > 0, got {budget_s}")
     cfg = build_config(preset if preset or config else "default", config, set_)
     check_model_path(cfg.model.path)
     from tandem.bench.pipeline import run

@@ -10,6 +10,7 @@ Bad input (missing directory, empty command, unknown backend, unusable bwrap, a 
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -76,8 +77,8 @@ def run(
         _fail(f"--backend {backend!r} is unknown; choose bwrap or plain")
     config = SandboxConfig(backend=backend)  # type: ignore[arg-type]
     if timeout is not None:
-        if not timeout > 0:
-            _fail(f"--timeout must be > 0 seconds, got {timeout}")
+        if not 0 < timeout < math.inf:
+            _fail(f"--timeout must be a finite number of seconds > 0, got {timeout}")
         config.timeout_s = timeout
     for flag, value, name in (
         ("--memory", memory, "memory_mb"),
