@@ -153,7 +153,7 @@ def try_(
     ] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     config: Annotated[
-        Path | None, typer.Option(help="A run config TOML file: its [reward] and [sandbox] grade.")
+        Path | None, typer.Option(help="A run config TOML file: its reward and sandbox sections grade.")
     ] = None,
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="Override a config field: key=value.")
