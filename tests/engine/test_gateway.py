@@ -10,7 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
+import sys
+import threading
 import time
+from http.client import HTTPConnection
 from pathlib import Path
 
 import httpx
@@ -24,7 +28,7 @@ from typer.testing import CliRunner
 
 from tandem.cli.serve import serve
 from tandem.core.config import EngineConfig, TaskConfig
-from tandem.core.generation import GenerationRequest, SamplingParams
+from tandem.core.generation import MIN_TEMPERATURE, GenerationRequest, SamplingParams
 from tandem.core.records import Trajectory
 from tandem.engine import BuiltinEngine
 from tandem.engine.gateway import GatewayConfig, GatewayServer, SessionStore, create_app, is_loopback
@@ -753,3 +757,250 @@ def test_session_json_round_trips_through_numpy(http):
     rec = record(http, "np")
     seg = Trajectory.from_dict(rec).segments[0]
     assert seg.token_ids.dtype == np.int32 and len(seg) == len(rec["segments"][0]["token_ids"])
+
+
+# ---- regressions found by probing `tandem serve` (each failed before its fix) ------------------------------
+
+LONG = {"messages": USER, "max_tokens": 400, "ignore_eos": True, "tool_choice": "none"}  # ~2 s here
+
+
+def _in_background(fn) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(result=fn()))
+    thread.start()
+    return thread, out
+
+
+def _wait_in_flight(url: str, busy: bool) -> None:
+    """Until ``url``'s gateway has a request in flight (``busy``) or none, then a moment more."""
+    deadline = time.monotonic() + 60
+    while bool(httpx.get(url + "/health").json()["in_flight"]) != busy:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.2)  # the request is past its body and holds its session lock
+
+
+def test_temperature_below_the_engine_minimum_is_400_and_zero_stays_greedy(http):
+    for t in (1e-38, 1e-4, MIN_TEMPERATURE / 2):
+        body = {"messages": USER, "max_tokens": 2, "temperature": t, "user": "tiny-temperature"}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "temperature" and f">= {MIN_TEMPERATURE}" in err["message"]
+    assert http.get("/v1/tandem/sessions/tiny-temperature").status_code == 404  # nothing generated
+    for t in (0, MIN_TEMPERATURE):
+        r = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2, "temperature": t})
+        assert r.status_code == 200, r.text
+
+
+def test_request_whose_client_left_while_waiting_for_its_session_is_not_generated(stack, server, http):
+    engine, _ = stack
+    url, hdr = server.url + "/v1/chat/completions", {"X-Tandem-Session": "left-waiting"}
+    tokens = engine.stats()["tokens_generated"]
+    first, out = _in_background(lambda: httpx.post(url, json=LONG, headers=hdr, timeout=60))
+    _wait_in_flight(server.url, True)
+    before = http.get("/health").json()["counters"].get("disconnected", 0)
+    with pytest.raises(httpx.ReadTimeout):  # gives up while the first request holds the session
+        httpx.post(url, json={"messages": USER, "max_tokens": 4}, headers=hdr, timeout=0.5)
+    first.join()
+    _wait_in_flight(server.url, False)
+    assert engine.stats()["tokens_generated"] - tokens == LONG["max_tokens"]  # nothing for the second
+    assert http.get("/health").json()["counters"]["disconnected"] == before + 1
+    answer = out["result"].json()["choices"][0]["message"]
+    more = {"messages": [*USER, answer, {"role": "user", "content": "More."}], "max_tokens": 4}
+    third = http.post("/v1/chat/completions", json=more, headers=hdr).json()
+    assert third["tandem"]["new_segment"] is False, third["tandem"]  # continues the first request's turn
+    rec = record(http, "left-waiting")
+    assert len(rec["segments"]) == 1 and rec["tool_stats"]["requests"] == 2
+
+
+def test_non_streamed_turn_whose_client_left_is_not_recorded(server, http):
+    with pytest.raises(httpx.ReadTimeout):  # hangs up while the engine generates
+        httpx.post(
+            server.url + "/v1/chat/completions",
+            json=LONG,
+            headers={"X-Tandem-Session": "left-generating"},
+            timeout=0.5,
+        )
+    _wait_in_flight(server.url, False)
+    assert http.get("/v1/tandem/sessions/left-generating").status_code == 404
+
+
+def test_sessions_in_flight_are_never_evicted(stack):
+    srv = _server(stack, max_sessions=1)
+    try:
+        url = srv.url + "/v1/chat/completions"
+
+        def ask(sid: str, body: dict) -> httpx.Response:
+            return httpx.post(url, json=body, headers={"X-Tandem-Session": sid}, timeout=60)
+
+        busy, out = _in_background(lambda: ask("busy", LONG))
+        _wait_in_flight(srv.url, True)
+        assert ask("other", {"messages": USER, "max_tokens": 1}).status_code == 200
+        health = httpx.get(srv.url + "/health").json()
+        assert health["sessions"] == 2 and health["sessions_evicted"] == 0  # over the cap while busy
+        busy.join()
+        assert out["result"].status_code == 200
+        rec = httpx.get(srv.url + "/v1/tandem/sessions/busy").json()  # its turn went to its record
+        assert rec["tool_stats"]["requests"] == 1 and sum(rec["segments"][0]["loss_mask"]) == 400
+        assert ask("third", {"messages": USER, "max_tokens": 1}).status_code == 200
+        health = httpx.get(srv.url + "/health").json()
+        assert health["sessions"] == 1 and health["sessions_evicted"] == 2  # idle again: evicted
+    finally:
+        srv.stop()
+
+
+def test_session_ids_that_no_route_can_name_are_400(http):
+    body = {"messages": USER, "max_tokens": 1}
+    for sid in ("a/b", "/", ".", ".."):
+        r = http.post("/v1/chat/completions", json=body, headers={"X-Tandem-Session": sid})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Tandem-Session", (sid, r.text)
+        assert "'/' is not allowed" in r.json()["error"]["message"]
+        r = http.post("/v1/chat/completions", json={**body, "user": sid})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "user", (sid, r.text)
+    long = "x" * 257
+    for r in (
+        http.post("/v1/chat/completions", json=body, headers={"X-Tandem-Session": long}),
+        http.post("/v1/chat/completions", json={**body, "user": long}),
+    ):
+        assert r.status_code == 400 and "at most 256 characters" in r.json()["error"]["message"]
+    ok = {"x" * 256: {"X-Tandem-Session": "x" * 256}, "sé-1": {"X-Tandem-Session": "sé-1".encode()}}
+    for sid, hdr in ok.items():  # the longest id, and a non-ASCII one (the header read as UTF-8)
+        assert http.post("/v1/chat/completions", json=body, headers=hdr).status_code == 200
+        assert http.get(f"/v1/tandem/sessions/{sid}").status_code == 200
+
+
+def test_non_finite_numbers_in_tool_call_arguments_are_400(http):
+    def history(args: object) -> str:
+        call = {"type": "function", "function": {"name": "f", "arguments": args}}
+        msgs = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]}, USER[0]]
+        return json.dumps({"messages": msgs, "max_tokens": 1, "user": "nan-args"})
+
+    param = "messages[1].tool_calls[0].function.arguments"
+    for args in ('{"a": NaN}', '{"a": Infinity}', '{"a": [-Infinity]}', '{"a": 1e400}'):
+        r = http.post("/v1/chat/completions", content=history(args))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (args, r.text)
+        assert "finite" in r.json()["error"]["message"]
+    raw = history({"a": 1}).replace('{"a": 1}', '{"a": NaN}')  # an arguments object in the body itself
+    r = http.post("/v1/chat/completions", content=raw)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param + ".a", r.text
+    assert http.get("/v1/tandem/sessions/nan-args").status_code == 404
+
+
+SURROGATES = [  # JSON text with a lone UTF-16 surrogate, and the path the 400 names
+    ('{"messages": [{"role": "user", "content": "x\\ud800y"}]}', "messages[0].content"),
+    ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}', None),
+    ('{"messages": [{"role": "user", "content": "x", "n\\ud800": 1}]}', "messages[0]"),
+    ('{"messages": [{"role": "user", "content": "x"}], "user": "u\\ud800"}', "user"),
+    (
+        '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": '
+        '{"name": "f\\ud800", "description": "d"}}]}',
+        "tools[0].function.name",
+    ),
+    (
+        '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": '
+        '{"name": "f", "description": "\\ud800"}}]}',
+        "tools[0].function.description",
+    ),
+]
+
+
+def test_lone_surrogates_are_400_naming_the_path_before_anything_is_stored(http):
+    http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1, "user": "surrogates"})
+    sessions = http.get("/health").json()["sessions"]
+    for raw, param in SURROGATES:
+        body = json.loads(raw)
+        body.setdefault("user", "surrogates")
+        text = json.dumps(body)  # keeps the surrogate escaped, as a client would send it
+        r = http.post("/v1/chat/completions", content=text)
+        assert r.status_code == 400, (raw, r.text)
+        err = r.json()["error"]
+        assert err["param"] == (param or "messages[0].content[0].text") and "surrogate" in err["message"]
+    r = http.post(
+        "/v1/tandem/sessions/surrogates/reward", content='{"value": 1, "components": {"a\\ud800": 1}}'
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "components", r.text
+    rec = record(http, "surrogates")  # unchanged and still readable
+    assert rec["tool_stats"]["requests"] == 1 and rec["reward"] == {"value": 0.0, "components": {}}
+    assert http.get("/health").json()["sessions"] == sessions
+
+
+def test_unexpected_error_is_500_and_the_connection_stays_open(stack):
+    engine, chat = stack
+    app = create_app(engine, chat, chat.tokenizer, GatewayConfig())
+
+    @app.get("/v1/boom")
+    async def boom() -> None:  # a bug in a route
+        raise RuntimeError("a bug")
+
+    srv = GatewayServer(app).start()
+    conn = HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    try:
+        conn.request("GET", "/v1/boom")
+        r = conn.getresponse()
+        err = json.loads(r.read())["error"]
+        assert r.status == 500 and err["type"] == "server_error" and "RuntimeError: a bug" in err["message"]
+        sock = conn.sock
+        conn.request("GET", "/health")  # the same keep-alive connection
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["counters"]["engine_error"] == 1
+        assert conn.sock is sock
+    finally:
+        conn.close()
+        srv.stop()
+
+
+def test_numbers_too_large_to_decode_or_store_are_400(http):
+    raw = '{"messages": [{"role": "user", "content": "hi"}], "seed": ' + "9" * 5000 + "}"
+    r = http.post("/v1/chat/completions", content=raw)
+    msg = r.json()["error"]["message"]
+    assert (
+        r.status_code == 400 and "not valid JSON" in msg and f"{sys.get_int_max_str_digits()} digits" in msg
+    )
+    http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1, "user": "huge"})
+    for raw, param in (
+        ('{"value": 1' + "0" * 400 + "}", "value"),
+        ('{"value": 1e400}', "value"),
+        ('{"value": 1, "components": {"x": 1' + "0" * 400 + "}}", "components"),
+    ):
+        r = http.post("/v1/tandem/sessions/huge/reward", content=raw)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (raw[:40], r.text)
+    assert record(http, "huge")["flags"]["reward_attached"] is False
+
+
+def test_reward_components_must_be_an_object_of_bounded_size(http):
+    http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 1, "user": "components"})
+    url = "/v1/tandem/sessions/components/reward"
+    for bad in (0, "", False, [], "x", {f"c{i}": 1 for i in range(257)}):
+        r = http.post(url, json={"value": 1, "components": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "components", (bad, r.text)
+    assert "at most 256" in r.json()["error"]["message"]
+    assert record(http, "components")["flags"]["reward_attached"] is False
+    for ok in (None, {f"c{i}": i for i in range(256)}):
+        r = http.post(url, json={"value": 1, "components": ok})
+        assert r.status_code == 200 and len(r.json()["reward"]["components"]) == len(ok or {})
+
+
+def test_include_usage_must_be_a_bool(http):
+    body = {"messages": USER, "max_tokens": 1, "stream": True}
+    for v in ("false", "true", 0, 1):
+        r = http.post("/v1/chat/completions", json={**body, "stream_options": {"include_usage": v}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.include_usage", v
+    for v in (False, None):
+        r = http.post("/v1/chat/completions", json={**body, "stream_options": {"include_usage": v}})
+        assert r.status_code == 200 and '"usage"' not in r.text
+
+
+def test_a_chunked_body_over_the_limit_is_refused_before_it_ends(stack):
+    srv = _server(stack, max_body_bytes=1024)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n")
+            sock.sendall(b"1000\r\n" + b" " * 4096 + b"\r\n")  # 4 KB of a body that never ends
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += sock.recv(4096) or pytest.fail(f"connection closed: {answer!r}")
+        assert answer.startswith(b"HTTP/1.1 413"), answer
+    finally:
+        srv.stop()

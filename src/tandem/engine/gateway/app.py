@@ -6,16 +6,25 @@ Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
 Invariants:
 - Every error is OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}`` with a message that
   names the field; bad input is a 4xx answer and a counter in ``/health``, never a crash. Engine failures
-  are 500/503/504 answers, counted the same way.
+  are 500/503/504 answers, counted the same way. An unexpected exception (a bug) is logged and answered 500
+  by ``_CatchAll`` without dropping the connection (Starlette's own handler re-raises, and the server then
+  closes the keep-alive connection).
+- Request bodies are read up to ``max_body_bytes`` and no further (413 as soon as a chunked body passes it)
+  and decoded strictly (``protocol.decode_json``: no lone surrogates, no non-finite numbers, anywhere)
+  before any route looks at them, so nothing generated, stored or served later can fail on them.
 - With ``config.api_key`` set, every ``/v1`` route needs ``Authorization: Bearer <key>`` (401 otherwise,
   constant-time comparison); ``/health`` stays open.
 - At most ``config.max_concurrent`` chat requests are in flight; one more gets 429 with ``Retry-After``
   before its body is read. Counting happens on the event loop thread only (no locks needed).
-- A request with a session id (``X-Tandem-Session`` header, else the ``user`` field) is recorded as described
-  in ``tandem.engine.gateway.sessions``; the prompt sent to the engine is the session's recorded ids plus the
-  new context. Without a session id nothing is recorded.
+- A request with a session id (``X-Tandem-Session`` header, read as UTF-8, else the ``user`` field; checked by
+  ``protocol.session_id``) is recorded as described in ``tandem.engine.gateway.sessions``; the prompt sent to
+  the engine is the session's recorded ids plus the new context. Without a session id nothing is recorded.
+- A client that has disconnected when its request's turn comes (the session lock acquired) is not generated
+  for; a non-streamed answer whose client disconnected before it was ready is not recorded (both answered
+  499 to nobody and counted as ``disconnected``). One check each, no polling.
 - ``stream: true``: the answer is produced by its own task (it holds the session lock and an in-flight slot
-  until generation ends and the record is committed, whether or not the client keeps reading); content
+  until generation ends and the record is committed, whether or not the client keeps reading: a stream
+  whose client hangs up mid-generation is still recorded, as its turn was partly sent); content
   chunks go out as the engine samples tokens when the engine has ``streams_tokens`` (``submit(...,
   on_tokens=...)``, fed to this event loop with ``call_soon_threadsafe``), else all at the end. Bad input is
   still a 4xx answer (checked before the stream starts); a failure after it started is an ``error`` event.
@@ -27,23 +36,33 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import math
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem.core.generation import ChatFormat, Completion, GenerationRequest, SamplingParams
-from tandem.core.records import Reward
 from tandem.engine.gateway.config import GatewayConfig
 from tandem.engine.gateway.forcing import ForcingUnsupported, forced_prefix
-from tandem.engine.gateway.protocol import MAX_SESSION_ID, BadRequest, ChatRequest, parse_chat_request
+from tandem.engine.gateway.protocol import (
+    BadRequest,
+    ChatRequest,
+    decode_json,
+    parse_chat_request,
+    parse_reward,
+    session_id,
+)
 from tandem.engine.gateway.responses import ResponseBuilder, to_turn
 from tandem.engine.gateway.sessions import Plan, Session, SessionStore, Turn
 from tandem.engine.gateway.stream import ContentStream
+
+log = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -52,6 +71,7 @@ _TYPES = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
+    499: "client_disconnected",
     500: "server_error",
     503: "server_error",
     504: "timeout_error",
@@ -89,6 +109,35 @@ def _error(status: int, message: str, param: str | None = None, headers: dict | 
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+class _CatchAll:
+    """ASGI middleware (inside Starlette's error middleware, outside its handlers): an exception that escapes
+    a route before its response started is logged and answered 500 by ``on_error``, and the request ends
+    normally, so the server keeps the connection alive. After the response started nothing can be answered:
+    the exception propagates and the server closes the connection."""
+
+    def __init__(self, app: ASGIApp, on_error: Callable[[Exception], JSONResponse]) -> None:
+        self.app, self.on_error = app, on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as e:
+            if started:
+                raise
+            log.exception("unexpected error in %s %s", scope.get("method"), scope.get("path"))
+            await self.on_error(e)(scope, receive, send)
+
+
 class _State:
     def __init__(self, config: GatewayConfig) -> None:
         self.sessions = SessionStore(config.max_sessions)
@@ -102,6 +151,7 @@ class _State:
             "unauthorized": 0,
             "engine_error": 0,
             "timeout": 0,
+            "disconnected": 0,
             "tokens_generated": 0,
         }
 
@@ -127,19 +177,37 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
-        key = {400: "bad_request", 413: "bad_request", 401: "unauthorized", 429: "rejected_429"}.get(e.status)
+        key = {
+            400: "bad_request",
+            413: "bad_request",
+            401: "unauthorized",
+            429: "rejected_429",
+            499: "disconnected",
+        }.get(e.status)
         if key:
             st.counters[key] += 1
         return _error(e.status, e.message, e.param, e.headers)
+
+    @app.exception_handler(BadRequest)
+    async def _bad_request(request: Request, e: BadRequest) -> JSONResponse:
+        return await _api_error(request, ApiError(e.status, e.message, e.param))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone_early(request: Request, e: ClientDisconnect) -> JSONResponse:  # while reading the body
+        return await _api_error(request, _gone("before its request body was read"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return _error(e.status_code, f"{e.detail} ({request.method} {request.url.path})", None, e.headers)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception) -> JSONResponse:  # a bug: answer, keep serving
+    def _unexpected(e: Exception) -> JSONResponse:  # a bug: answer, keep serving (``_CatchAll``)
         st.counters["engine_error"] += 1
         return _error(500, f"internal error: {type(e).__name__}: {e}")
+
+    app.add_middleware(_CatchAll, on_error=_unexpected)
+
+    def _gone(when: str) -> ApiError:
+        return ApiError(499, f"the client disconnected {when}; nothing was recorded")
 
     def check_auth(request: Request) -> None:
         if cfg.api_key is None:
@@ -186,20 +254,7 @@ def create_app(
     async def post_reward(sid: str, request: Request) -> JSONResponse:
         check_auth(request)
         session = _session(sid)
-        body = await _json_body(request)
-        value, comps = body.get("value") if isinstance(body, dict) else None, None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ApiError(400, f"value must be a finite number, got {value!r}", "value")
-        comps = body.get("components") or {}
-        if not isinstance(comps, dict) or not all(
-            isinstance(k, str)
-            and isinstance(v, (int, float))
-            and not isinstance(v, bool)
-            and math.isfinite(v)
-            for k, v in comps.items()
-        ):
-            raise ApiError(400, "components must map names to finite numbers", "components")
-        session.reward = Reward(float(value), {k: float(v) for k, v in comps.items()})
+        session.reward = parse_reward(await _json_body(request))
         return JSONResponse({"session_id": sid, "reward": session.reward.to_dict()})
 
     def _session(sid: str) -> Session:
@@ -214,16 +269,25 @@ def create_app(
         return s
 
     async def _json_body(request: Request) -> Any:
+        """The body, read up to ``max_body_bytes`` and no further (413), decoded by ``decode_json``."""
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > cfg.max_body_bytes:
             raise ApiError(413, f"request body of {length} bytes exceeds max_body_bytes={cfg.max_body_bytes}")
-        raw = await request.body()
-        if len(raw) > cfg.max_body_bytes:
-            raise ApiError(413, f"request body exceeds max_body_bytes={cfg.max_body_bytes}")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > cfg.max_body_bytes:  # a chunked body: stop reading here
+                raise ApiError(413, f"request body exceeds max_body_bytes={cfg.max_body_bytes}")
+        return decode_json(bytes(raw))
+
+    def _header_session(request: Request) -> str | None:
+        """``X-Tandem-Session`` as the UTF-8 text the client sent (Starlette decodes headers as latin-1)."""
+        raw = request.headers.get("x-tandem-session")
         try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+            sid = raw.encode("latin-1").decode("utf-8") if raw else None
+        except UnicodeDecodeError:
+            raise ApiError(400, "X-Tandem-Session must be UTF-8 text", "X-Tandem-Session") from None
+        return session_id(sid, "X-Tandem-Session")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
@@ -245,10 +309,7 @@ def create_app(
 
     async def _chat(request: Request) -> Any:
         body = await _json_body(request)
-        try:
-            req = parse_chat_request(body, max_n=cfg.max_n, max_tokens_limit=ctx, max_top_logprobs=top_lp)
-        except BadRequest as e:
-            raise ApiError(e.status, e.message, e.param) from None
+        req = parse_chat_request(body, max_n=cfg.max_n, max_tokens_limit=ctx, max_top_logprobs=top_lp)
         if req.top_p < 1.0 and not top_p_ok:
             raise ApiError(
                 400,
@@ -260,20 +321,13 @@ def create_app(
             forced = forced_prefix(chat_format, req.tool_choice)
         except ForcingUnsupported as e:
             raise ApiError(400, str(e), "tool_choice") from None
-        sid = request.headers.get("x-tandem-session") or req.user
-        if sid is not None and not 0 < len(sid) <= MAX_SESSION_ID:
-            raise ApiError(400, f"session id must be 1-{MAX_SESSION_ID} characters", "X-Tandem-Session")
-        session: Session | None = None
+        sid = _header_session(request) or req.user
+        session = None if sid is None else await st.sessions.acquire(sid)
         plan: Plan | None = None
-        if sid is not None:
-            session = st.sessions.open(sid)
-            await session.lock.acquire()
-            while st.sessions.get(sid) is not session:  # discarded or evicted while this request waited
-                session.lock.release()
-                session = st.sessions.open(sid)
-                await session.lock.acquire()
-        owned = True  # this coroutine releases the session lock (a stream's producer takes it over)
+        owned = True  # this coroutine releases the session (a stream's producer takes it over)
         try:
+            if await request.is_disconnected():  # e.g. it gave up while waiting for the session
+                raise _gone("before generation started")
             if session is None:
                 base = chat_format.render_prompt(req.messages, req.tools)
             else:
@@ -294,15 +348,13 @@ def create_app(
                 return StreamingResponse(_drain(out), media_type="text/event-stream")
             t0 = time.perf_counter()
             turns, finishes = await _collect(_submit(prompt, req, None), req, forced)
+            if await request.is_disconnected():  # nobody would see this turn: do not record it
+                raise _gone("before its answer was ready")
             extra = _commit(session, plan, req, turns, time.perf_counter() - t0)
             builder = ResponseBuilder(req, model_name, prompt, engine.version, decode)
-        except BaseException:
-            if session is not None and owned:
-                st.sessions.discard_if_empty(session.id)  # a failed first request leaves no empty record
-            raise
         finally:
             if session is not None and owned:
-                session.lock.release()
+                st.sessions.release(session)  # forgets it when its first request failed
         return JSONResponse(builder.completion(turns, finishes, extra))  # no FastAPI encoder pass
 
     def _commit(
@@ -401,7 +453,6 @@ def create_app(
         loop = asyncio.get_running_loop()
         deadline = loop.time() + cfg.request_timeout_s
         streams = [ContentStream(forced, req, chat_format, decode) for _ in range(req.n)]
-        committed = False
         t0 = time.perf_counter()
         try:
             for i in range(req.n):
@@ -418,7 +469,6 @@ def create_app(
                     out.put_nowait(builder.delta(i, text))
             turns, finishes = _turns([f.result() for f in futures], req, forced)
             extra = _commit(session, plan, req, turns, time.perf_counter() - t0)
-            committed = True
             for chunk in builder.tail(turns, finishes, extra, [s.sent for s in streams]):
                 out.put_nowait(chunk)
         except ApiError as e:
@@ -432,9 +482,7 @@ def create_app(
             for f in futures:
                 f.cancel()  # no-op when done; a timed-out generation is abandoned
             if session is not None:
-                if not committed:
-                    st.sessions.discard_if_empty(session.id)
-                session.lock.release()
+                st.sessions.release(session)  # forgets it when its first request failed
             st.in_flight -= 1
             out.put_nowait(None)
 

@@ -46,7 +46,11 @@ class GatewayConfig(BaseModel):
     retry_after_s: int = Field(default=1, ge=0)
     """Seconds sent in the Retry-After header of a 429."""
     max_sessions: int = Field(default=1024, ge=1)
-    """Session records kept in memory; beyond it the least recently used session is evicted (counted)."""
+    """Session records kept in memory; beyond it the least recently used idle session is evicted (counted).
+    A session with a request in flight (generating, or waiting behind an earlier request of the same
+    session) is never evicted: when every other session is busy the cap is exceeded temporarily (by at most
+    one session per request in flight, so by at most `max_concurrent`) rather than refusing the new session,
+    and the extra idle sessions are evicted when the next request opens a session."""
     max_n: int = Field(default=8, ge=1)
     """Largest `n` (choices per request) accepted."""
     default_max_tokens: int = Field(default=256, ge=1)

@@ -15,21 +15,36 @@ Invariants:
   by the caller once the prompt is rendered. Sampling controls the gateway does not apply (``NEUTRAL``:
   penalties, ``logit_bias``, ``top_k``, ``min_p``, ``best_of``, a ``response_format`` other than text) are
   accepted only at their neutral values and otherwise refused naming the field, never silently ignored.
+  ``temperature`` is 0 (greedy) or in ``[MIN_TEMPERATURE, 2]``: the engines refuse anything in between.
+- JSON text (the body, ``decode_json``; a tool call's ``arguments`` string) is decoded strictly: every
+  string, keys included, must be encodable as UTF-8 (no lone UTF-16 surrogates such as ``"\\ud800"``) and
+  every number finite (no ``NaN``, ``Infinity``, nor ``1e400``, which overflows a double), checked on the
+  whole value before anything looks at it, so nothing generated, stored or answered later can fail on it;
+  the 400 names the JSON path of the first offending value.
+- A session id (``X-Tandem-Session`` or ``user``, ``session_id``) is a path segment of
+  ``/v1/tandem/sessions/{id}``: 1-``MAX_SESSION_ID`` characters, no ``/``, not ``.`` or ``..``; anything else
+  is refused up front, since its record could never be read or rewarded.
+- ``parse_reward`` checks a reward body: a finite ``value`` and at most ``MAX_REWARD_COMPONENTS``
+  ``components`` (an object of finite numbers, or absent/null).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.core.records import Message
+from tandem.core.generation import MIN_TEMPERATURE
+from tandem.core.records import Message, Reward
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_STOP = 4
 MAX_SESSION_ID = 256
+MAX_REWARD_COMPONENTS = 256
 
 
 class BadRequest(Exception):
@@ -38,6 +53,145 @@ class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
         self.message, self.param, self.status = message, param, status
+
+
+def _utf8(s: str) -> bool:
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _surrogate(s: str) -> str:
+    at = next(i for i, c in enumerate(s) if 0xD800 <= ord(c) <= 0xDFFF)
+    return f"a lone UTF-16 surrogate ({s[at]!r} at character {at}), which is not text"
+
+
+def _bad_value(root: Any) -> tuple[str, str] | None:
+    """The first value of decoded JSON that cannot be stored or sent back: ``(path, what is wrong)``, the
+    path relative to ``root`` (``".messages[0].content"``, "" for the root). Iterative: no depth limit."""
+    stack: list[tuple[Any, str]] = [(root, "")]
+    while stack:
+        v, path = stack.pop()
+        if isinstance(v, str):
+            if not _utf8(v):
+                return path, f"contains {_surrogate(v)}"
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                return path, f"is {v!r}: JSON numbers must be finite (no NaN or Infinity, at most ~1.8e308)"
+        elif isinstance(v, dict):
+            for k in v:
+                if not _utf8(k):
+                    return path, f"has a key that contains {_surrogate(k)}"
+            stack.extend((x, f"{path}.{k}") for k, x in reversed(v.items()))
+        elif isinstance(v, list):
+            stack.extend((x, f"{path}[{i}]") for i, x in reversed(list(enumerate(v))))
+    return None
+
+
+def _storable(value: Any) -> bool:
+    """Fast path of ``_bad_value`` (one C pass, ~3x faster): True when ``value`` re-encodes as strict JSON
+    in UTF-8; False when it does not (or nests too deep to tell), and ``_bad_value`` then finds why."""
+    try:
+        json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+        return False
+    return True
+
+
+def decode_json(raw: bytes | str, param: str | None = None) -> Any:
+    """``raw`` decoded as strict JSON (see module invariants), or ``BadRequest``. ``param`` names the field
+    that holds the text (None: the text is the request body, and a bad value's path is the param)."""
+    what = param or "the request body"
+    try:
+        value = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise BadRequest(f"{what} is not valid JSON: {e}", param) from None
+    except ValueError:  # int(): more digits than sys.get_int_max_str_digits()
+        raise BadRequest(
+            f"{what} is not valid JSON here: it has an integer of more than {sys.get_int_max_str_digits()} "
+            "digits, the limit of this server's JSON decoder; send fewer digits",
+            param,
+        ) from None
+    bad = None if _storable(value) else _bad_value(value)
+    if bad is not None:
+        path, problem = bad
+        where = f"{param}{path}" if param else path.lstrip(".") or what
+        raise BadRequest(
+            f"{where} {problem}; send valid UTF-8 text and finite numbers", param or path.lstrip(".") or None
+        )
+    return value
+
+
+def session_id(value: Any, param: str) -> str | None:
+    """The session id ``value`` names (None when absent or empty), or ``BadRequest`` naming ``param``: an
+    id is a path segment of ``/v1/tandem/sessions/{id}`` (see module invariants)."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise BadRequest(f"{param} must be a string, got {type(value).__name__}", param)
+    if len(value) > MAX_SESSION_ID:
+        raise BadRequest(
+            f"{param} is {len(value)} characters; a session id is at most {MAX_SESSION_ID} characters", param
+        )
+    if "/" in value or value in (".", ".."):
+        raise BadRequest(
+            f"{param}={_shown(value)} cannot name a session: '/' is not allowed in a session id, nor are "
+            "the ids '.' and '..', since the id is a path segment of /v1/tandem/sessions/{id}; use e.g. "
+            "letters, digits, '-', '_', ':'",
+            param,
+        )
+    return value
+
+
+def _shown(v: Any, limit: int = 80) -> str:
+    """``repr(v)`` cut to ``limit`` characters (a large value is not echoed whole)."""
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _finite(v: Any) -> float | None:
+    """``v`` as a float when it is a finite real number (bools excluded), else None (10**400 included)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def parse_reward(body: Any) -> Reward:
+    """A ``Reward`` from a ``POST .../reward`` body (see module invariants), or ``BadRequest``."""
+    value = _finite(body.get("value")) if isinstance(body, dict) else None
+    if value is None:
+        got = body.get("value") if isinstance(body, dict) else body
+        raise BadRequest(f"value must be a finite number, got {_shown(got)}", "value")
+    comps = body.get("components")
+    if comps is None:
+        comps = {}
+    if not isinstance(comps, dict):
+        raise BadRequest(
+            f"components must be an object mapping names to finite numbers (or null), got {_shown(comps)}",
+            "components",
+        )
+    if len(comps) > MAX_REWARD_COMPONENTS:
+        raise BadRequest(
+            f"components has {len(comps)} entries; at most {MAX_REWARD_COMPONENTS} are kept per reward",
+            "components",
+        )
+    out = {}
+    for k, v in comps.items():
+        f = _finite(v)
+        if f is None:
+            raise BadRequest(
+                f"components[{_shown(k)}] must be a finite number, got {_shown(v)}", "components"
+            )
+        out[k] = f
+    return Reward(value, out)
 
 
 @dataclass
@@ -117,12 +271,7 @@ def _tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
         if not isinstance(name, str) or not name:
             raise BadRequest(f"{p}.function.name must be a non-empty string", f"{p}.function.name")
         if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except (json.JSONDecodeError, RecursionError) as e:
-                raise BadRequest(
-                    f"{p}.function.arguments is not valid JSON ({e})", f"{p}.function.arguments"
-                ) from None
+            args = decode_json(args, f"{p}.function.arguments") if args.strip() else {}
         if not isinstance(args, dict):
             raise BadRequest(f"{p}.function.arguments must encode a JSON object", f"{p}.function.arguments")
         calls.append({"name": name, "arguments": args})
@@ -229,12 +378,14 @@ def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float
     return float(v)
 
 
-def _flag(body: dict[str, Any], key: str) -> bool:
+def _flag(body: dict[str, Any], key: str, param: str | None = None) -> bool:
+    """``body[key]`` as a bool (absent or null: False); anything but true/false is refused naming ``param``
+    (default ``key``), never read by truthiness (``"false"`` is not false)."""
     v = body.get(key)
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise BadRequest(f"{key} must be true or false, got {v!r}", key)
+        raise BadRequest(f"{param or key} must be true or false, got {_shown(v)}", param or key)
     return v
 
 
@@ -282,6 +433,12 @@ def parse_chat_request(
         messages=messages, tools=tools, tool_choice=_tool_choice(body.get("tool_choice"), tools)
     )
     req.temperature = _number(body, "temperature", 1.0, 0.0, 2.0, lo_open=False)
+    if 0.0 < req.temperature < MIN_TEMPERATURE:
+        raise BadRequest(
+            f"temperature={body['temperature']!r} is too small to sample at (scaled logits overflow); send 0 "
+            f"for greedy decoding or a temperature >= {MIN_TEMPERATURE}",
+            "temperature",
+        )
     req.top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     mt = body.get(key)
@@ -313,7 +470,7 @@ def parse_chat_request(
     if opts is not None:
         if not isinstance(opts, dict):
             raise BadRequest("stream_options must be an object", "stream_options")
-        req.include_usage = bool(opts.get("include_usage"))
+        req.include_usage = _flag(opts, "include_usage", "stream_options.include_usage")
     req.logprobs = _flag(body, "logprobs")
     tl = body.get("top_logprobs")
     if tl is not None:
@@ -332,10 +489,7 @@ def parse_chat_request(
     if seed is not None and not _is_int(seed):
         raise BadRequest(f"seed must be an integer, got {seed!r}", "seed")
     req.seed = seed
-    user = body.get("user")
-    if user is not None and (not isinstance(user, str) or len(user) > MAX_SESSION_ID):
-        raise BadRequest(f"user must be a string of at most {MAX_SESSION_ID} characters", "user")
-    req.user = user or None
+    req.user = session_id(body.get("user"), "user")
     req.ignore_eos = _flag(body, "ignore_eos")
     req.return_token_ids = _flag(body, "return_token_ids")
     return req

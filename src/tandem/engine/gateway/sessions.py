@@ -28,13 +28,20 @@ Invariants:
   sampler's logprobs, versions, top-p log masses (``sampler_logmass``) and temperature
   (``sampler_temperature``), so the trainer recomputes the same sampled quantity for either source.
 - A record changes only on a successful generation (``commit``); ``plan`` has no side effects. The caller
-  holds ``Session.lock`` from ``plan`` to ``commit`` so requests of one session apply in order.
-- ``SessionStore`` keeps at most ``max_sessions`` sessions, evicting the least recently used (counted).
+  holds ``Session.lock`` from ``plan`` to ``commit`` so requests of one session apply in order: it takes the
+  session with ``SessionStore.acquire`` and gives it back with ``SessionStore.release``.
+- ``SessionStore`` keeps at most ``max_sessions`` sessions, evicting the least recently used (counted), but
+  never a busy one (``Session.holders`` > 0: a request holds or waits for its lock), nor removing it when
+  its first request failed, so the session a request holds is always the one the store names by its id (its
+  turn is never committed to an orphan, and one id never runs two requests at once). When every other
+  session is busy, the store holds more than ``max_sessions`` (at most one extra per request in flight) until
+  a later ``open`` evicts them once idle.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import time
@@ -123,6 +130,12 @@ class Session:
     generate_s: float = 0.0
     created: float = field(default_factory=time.time)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    holders: int = 0  # requests holding or waiting for ``lock`` (see ``SessionStore``)
+
+    @property
+    def empty(self) -> bool:
+        """Nothing recorded yet (no request of this session has committed)."""
+        return self.last is None and not self.segments
 
     # ---- matching ---------------------------------------------------------------------------------
 
@@ -262,7 +275,8 @@ class Session:
 
 
 class SessionStore:
-    """At most ``max_sessions`` sessions, least recently used evicted first (counted in ``evicted``)."""
+    """At most ``max_sessions`` idle sessions, least recently used evicted first (counted in ``evicted``);
+    busy sessions are never evicted (see module invariants)."""
 
     def __init__(self, max_sessions: int) -> None:
         self.max_sessions = max_sessions
@@ -275,19 +289,41 @@ class SessionStore:
     def get(self, sid: str) -> Session | None:
         return self._sessions.get(sid)
 
-    def discard_if_empty(self, sid: str) -> None:
-        """Forget ``sid`` if it has recorded nothing yet (its first request failed)."""
-        s = self._sessions.get(sid)
-        if s is not None and s.last is None and not s.segments:
-            del self._sessions[sid]
-
     def open(self, sid: str) -> Session:
-        """The session named ``sid`` (created if new), marked as most recently used."""
+        """The session named ``sid`` (created if new), marked as most recently used; evicts idle sessions
+        (least recently used first, never ``sid``) while there are more than ``max_sessions``."""
         s = self._sessions.get(sid)
         if s is None:
             s = self._sessions[sid] = Session(sid)
         self._sessions.move_to_end(sid)
-        while len(self._sessions) > self.max_sessions:
-            self._sessions.popitem(last=False)
-            self.evicted += 1
+        over = len(self._sessions) - self.max_sessions
+        if over > 0:
+            idle = (k for k, x in self._sessions.items() if x.holders == 0 and k != sid)
+            for k in list(itertools.islice(idle, over)):
+                del self._sessions[k]
+                self.evicted += 1
         return s
+
+    async def acquire(self, sid: str) -> Session:
+        """The session named ``sid`` with its lock held by the caller, who must ``release`` it. It counts as
+        busy from the call on (waiting included), so it stays the store's session ``sid`` throughout."""
+        s = self.open(sid)
+        s.holders += 1
+        try:
+            await s.lock.acquire()
+        except BaseException:  # cancelled while waiting
+            s.holders -= 1
+            self._forget_if_unused(s)
+            raise
+        return s
+
+    def release(self, s: Session) -> None:
+        """Give back a session from ``acquire``; one that recorded nothing (its first request failed or was
+        skipped) and that no other request holds or waits for is forgotten, leaving no empty record."""
+        s.holders -= 1
+        self._forget_if_unused(s)
+        s.lock.release()
+
+    def _forget_if_unused(self, s: Session) -> None:
+        if s.holders == 0 and s.empty and self._sessions.get(s.id) is s:
+            del self._sessions[s.id]
