@@ -102,6 +102,9 @@ def _parse(chat, s: str):
         ('<tool_call>{"name": "run"}</tool_call><|im_end|>', '"arguments"'),
         ('<tool_call>{"name": "run", "arguments": "ls"}</tool_call><|im_end|>', '"arguments"'),
         ("oops</tool_call><|im_end|>", "unexpected </tool_call>"),
+        # not strict JSON: a record holding them could not be serialised again
+        ('<tool_call>{"name": "run", "arguments": {"a": NaN}}</tool_call><|im_end|>', "NaN is not a JSON"),
+        ('<tool_call>{"name": "run", "arguments": {"a": 1e400}}</tool_call><|im_end|>', "overflows a double"),
     ],
 )
 def test_malformed_tool_calls_are_errors_not_exceptions(chat, sampled, error):

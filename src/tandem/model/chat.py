@@ -22,6 +22,7 @@ Invariants (``ChatTemplate``):
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -273,10 +274,24 @@ def _snip(s: str, n: int = 80) -> str:
     return repr(s if len(s) <= n else s[:n] + "...")
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} overflows a double")
+    return value
+
+
 def _parse_call(body: str) -> tuple[dict[str, Any], str | None]:
+    """A tool call's ``{"name", "arguments"}`` object, or the reason it is malformed. Strict JSON: ``NaN``,
+    ``Infinity`` and numbers that overflow a double are malformed, so a parsed call always serialises again
+    (a session record holding one could not be written as JSON)."""
     try:
-        obj = json.loads(body)
-    except (json.JSONDecodeError, RecursionError) as e:
+        obj = json.loads(body, parse_constant=_no_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         return {}, f"invalid JSON ({e}): {_snip(body)}"
     if not isinstance(obj, dict):
         return {}, f"expected a JSON object with name and arguments, got {_snip(body)}"
