@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from tandem.cli.weights import weights_app
+from tandem.weights.delta import load_delta
+from tandem.weights.stfile import load_weights, write_safetensors
 
 runner = CliRunner()
 
@@ -95,3 +98,107 @@ def test_bad_input_exits_2_with_one_message(tmp_path):
     assert "does not exist" in error_of(invoke("inspect", tmp_path / "missing"))
     (tmp_path / "text.safetensors").write_text("hello")
     assert "not a safetensors file" in error_of(invoke("inspect", tmp_path / "text.safetensors"))
+    for header, needle in (
+        (b"[1, 2]", "JSON list"),
+        (b'{"a": {"dtype": "F32", "shape": null}}', "'a' has shape None"),
+    ):
+        (tmp_path / "h.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
+        assert needle in error_of(invoke("inspect", tmp_path / "h.safetensors"))
+
+
+def _header(path: Path) -> dict:
+    raw = path.read_bytes()
+    return json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+
+
+def test_dtype_tags_numpy_reads_alike_are_never_mixed(tmp_path):
+    """BF16 and U16 are both uint16 to numpy, F8_E4M3, F8_E5M2 and U8 all uint8: the tags must match."""
+    bits = np.arange(16, dtype=np.uint16)
+    moved = bits.copy()
+    moved[3] += 1
+    write_safetensors(tmp_path / "bf16.safetensors", {"t": bits}, {"t": "BF16"})
+    write_safetensors(tmp_path / "bf16b.safetensors", {"t": moved}, {"t": "BF16"})
+    write_safetensors(tmp_path / "u16.safetensors", {"t": moved}, {"t": "U16"})
+    write_safetensors(tmp_path / "u16a.safetensors", {"t": bits}, {"t": "U16"})
+    delta = tmp_path / "d.tdelta"
+    e = error_of(invoke("diff", tmp_path / "bf16.safetensors", tmp_path / "u16.safetensors", "-o", delta))
+    assert "'t' is BF16 in OLD but U16 in NEW" in e and not delta.exists()
+    for a, b in (("F8_E4M3", "F8_E5M2"), ("F8_E5M2", "U8"), ("U8", "F8_E4M3")):
+        write_safetensors(tmp_path / "a.safetensors", {"t": np.zeros(4, np.uint8)}, {"t": a})
+        write_safetensors(tmp_path / "b.safetensors", {"t": np.ones(4, np.uint8)}, {"t": b})
+        e = error_of(invoke("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "-o", delta))
+        assert f"'t' is {a} in OLD but {b} in NEW" in e and not delta.exists()
+    # the delta records its target's tags; apply refuses a base with other tags (same bits, same hash)
+    assert (
+        invoke("diff", tmp_path / "bf16.safetensors", tmp_path / "bf16b.safetensors", "-o", delta).exit_code
+        == 0
+    )
+    assert load_delta(delta).meta["safetensors_dtypes"] == {"t": "BF16"}
+    out = tmp_path / "out.safetensors"
+    e = error_of(invoke("apply", tmp_path / "u16a.safetensors", delta, "-o", out))
+    assert "'t' is U16 in OLD but BF16 in the delta's target" in e and not out.exists()
+    r = invoke("apply", tmp_path / "bf16.safetensors", delta, "-o", out)
+    assert r.exit_code == 0, r.output
+    assert _header(out)["t"]["dtype"] == "BF16"
+
+
+def test_tensors_with_a_zero_in_their_shape_diff_apply_and_inspect(tmp_path):
+    old = {
+        "e": np.zeros((0, 4), np.float32),
+        "z": np.zeros((2, 0, 3), np.uint16),
+        "w": np.arange(6, dtype=np.float32),
+    }
+    new = {**old, "w": old["w"] + 1}
+    write_safetensors(tmp_path / "old.safetensors", old, {"z": "BF16"})
+    write_safetensors(tmp_path / "new.safetensors", new, {"z": "BF16"})
+    delta, out = tmp_path / "d.tdelta", tmp_path / "out.safetensors"
+    r = invoke("diff", tmp_path / "old.safetensors", tmp_path / "new.safetensors", "-o", delta, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["params"] == 6
+    r = invoke("apply", tmp_path / "old.safetensors", delta, "-o", out)
+    assert r.exit_code == 0 and "verified: True" in r.output, r.output
+    back = load_weights(out)
+    assert {k: (v.shape, v.dtype) for k, v in back.tensors.items()} == {
+        k: (v.shape, v.dtype) for k, v in new.items()
+    }
+    assert back.tags["z"] == "BF16" and np.array_equal(back.tensors["w"], new["w"])
+    for path in (out, delta):
+        r = invoke("inspect", path, "--json")
+        assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["per_tensor"][0]["shape"] == [0, 4]
+
+
+def test_apply_into_a_non_empty_directory_is_refused_before_writing(tmp_path):
+    make_versions(tmp_path)
+    delta = tmp_path / "d.tdelta"
+    assert invoke("diff", tmp_path / "old_dir", tmp_path / "new_dir", "-o", delta).exit_code == 0
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "model-00001-of-00009.safetensors").write_bytes(b"another version's shard")
+    e = error_of(invoke("apply", tmp_path / "old_dir", delta, "-o", busy))
+    assert "'" + str(busy) + "' is not empty" in e and "choose an empty or new directory" in e
+    assert sorted(p.name for p in busy.iterdir()) == ["model-00001-of-00009.safetensors"]
+    (tmp_path / "afile").write_text("x")
+    assert "choose an empty or new directory" in error_of(invoke("apply", tmp_path / "old_dir", delta, "-o",
+                                                                 tmp_path / "afile"))  # fmt: skip
+    assert (tmp_path / "afile").read_text() == "x"
+    (tmp_path / "empty").mkdir()
+    r = invoke("apply", tmp_path / "old_dir", delta, "-o", tmp_path / "empty")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_diff_refuses_to_write_over_its_inputs(tmp_path):
+    make_versions(tmp_path)
+    old, new = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    before = {p: p.read_bytes() for p in (old, new, tmp_path / "new_dir" / "model.safetensors")}
+    assert "is OLD" in error_of(invoke("diff", old, new, "-o", old))
+    assert "is NEW" in error_of(invoke("diff", old, new, "-o", tmp_path / "." / "new.safetensors"))
+    (tmp_path / "hard.safetensors").hardlink_to(new)
+    assert "is NEW" in error_of(invoke("diff", old, tmp_path / "hard.safetensors", "-o", new))
+    shard = tmp_path / "new_dir" / "model.safetensors"
+    assert "is a file of NEW" in error_of(
+        invoke("diff", tmp_path / "old_dir", tmp_path / "new_dir", "-o", shard)
+    )
+    assert "is DELTA" in error_of(invoke("apply", old, shard, "-o", shard))
+    assert all(p.read_bytes() == b for p, b in before.items())

@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -81,3 +82,27 @@ def test_a_misspelt_gc_switch_is_refused_before_anything_listens(tmp_path, monke
         assert result.exit_code == 2, (args, result.output)
         assert "TANDEM_GC_FREEZE='of'" in result.output, (args, result.output)
     assert not (tmp_path / "cache").exists()  # refused before the relay made its cache
+
+
+def test_unusable_cache_dir_and_infinite_bandwidth_exit_2_before_serving(tmp_path):
+    store = WeightStore.open(tmp_path / "store", create=True)
+    store.close()
+    (tmp_path / "file").write_text("x")
+    with socket.socket() as busy:  # if the cache were not checked first, listening would fail instead
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        relay = ["relay", "--upstream", "http://127.0.0.1:1", "--port", str(busy.getsockname()[1])]
+        serve = ["serve", "--store", str(tmp_path / "store"), "--port", "0"]
+        cases = [
+            ([*relay, "--cache-dir", str(tmp_path / "file" / "c")], "--cache-dir: relay cache directory"),
+            ([*serve, "--bandwidth-mbps", "inf"], "--bandwidth-mbps must be > 0 and finite"),
+            ([*serve, "--bandwidth-mbps", "1e308"], "--bandwidth-mbps must be > 0 and finite"),
+            (
+                [*relay, "--upstream-bandwidth-mbps", "inf"],
+                "--upstream-bandwidth-mbps must be > 0 and finite",
+            ),
+        ]
+        for args, needle in cases:
+            result = runner.invoke(app, args)
+            assert result.exit_code == 2, (args, result.output)
+            assert "error:" in result.output and needle in result.output, (args, result.output)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
+import zstandard
+from zlib_ng.zlib_ng import crc32
 
 from tandem.weights.blob import CorruptDeltaError
 from tandem.weights.delta import (
+    MAGIC,
+    Delta,
     WrongBaseError,
     apply_delta_inplace,
     decode_delta,
@@ -146,3 +152,35 @@ def test_target_hash_catches_a_lying_delta():
     with pytest.raises(CorruptDeltaError, match="not the delta's target"):
         decode_delta(prev, delta)
     assert same(decode_delta(prev, delta, verify=False), cur)
+
+
+def _with_header(raw: bytes, **changes: object) -> bytes:
+    """``raw`` (a delta file) with header fields replaced, blobs kept."""
+    hlen = int.from_bytes(raw[8:12], "little")
+    header = json.loads(zstandard.ZstdDecompressor().decompress(raw[12 : 12 + hlen]))
+    packed = zstandard.ZstdCompressor().compress(json.dumps({**header, **changes}).encode())
+    return MAGIC + len(packed).to_bytes(4, "little") + packed + raw[12 + hlen :]
+
+
+def test_crafted_headers_and_dtype_tags_are_corrupt_delta_errors_naming_the_tensor(tmp_path):
+    w = {"w": np.arange(4, dtype=np.int64)}
+    delta = encode_delta(w, {"w": w["w"] + 1})
+    raw = dumps_delta(delta)
+    size = len(delta.blobs["w"])
+    for sizes, needle in (([str(size)], f"'{size}'"), ([size + 0.5], str(size + 0.5)), ([True], "True")):
+        with pytest.raises(CorruptDeltaError, match=f"blob size of tensor 'w' is {needle}"):
+            loads_delta(_with_header(raw, sizes=sizes))
+    for changes, needle in (({"names": ["w", "w"], "sizes": [size, 0]}, "repeats"), ({"names": [1]}, "names"),
+                            ({"meta": []}, "'meta'"), ({"base_hash": 5}, "base_hash")):  # fmt: skip
+        with pytest.raises(CorruptDeltaError, match=needle):
+            loads_delta(_with_header(raw, **changes))
+    # a blob whose (checksummed) dtype tag is no numpy dtype: code 0, then the length-prefixed tag
+    body = bytearray(delta.blobs["w"][:-4])
+    assert body[2] == 0 and body[3] == 3 and bytes(body[4:7]) == b"<i8"
+    body[4:7] = b"zzz"
+    blob = bytes(body) + crc32(bytes(body)).to_bytes(4, "little")
+    crafted = loads_delta(dumps_delta(Delta(delta.base_hash, delta.target_hash, {"w": blob})))
+    with pytest.raises(CorruptDeltaError, match="'w' has an unknown dtype tag 'zzz'"):
+        delta_stats(crafted)
+    with pytest.raises(CorruptDeltaError, match="'w' has an unknown dtype tag"):
+        decode_delta(w, crafted)

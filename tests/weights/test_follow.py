@@ -67,3 +67,24 @@ def test_patch_of_gathers_when_known_values_do_not_fit():
     assert patch_of({"w": idx}, tensors, {"w": np.full(3, 9, np.float32)})["w"][1].tolist() == [9.0] * 3
     whole = patch_of({"w": None}, tensors, {"w": np.zeros(3, np.float32)})["w"]
     assert np.array_equal(whole[0], np.arange(10)) and np.array_equal(whole[1], tensors["w"])
+
+
+def test_tensors_with_a_zero_in_their_shape_publish_and_follow(tmp_path):
+    v0 = {
+        "e": np.zeros((0, 4), np.float32),
+        "z": np.zeros((2, 0, 3), np.uint16),
+        "w": np.arange(6, dtype=np.float32),
+    }
+    v1 = {**v0, "w": v0["w"] + 1}
+    store = WeightStore.open(tmp_path / "store", create=True, snapshot_every=10)
+    publisher = WeightPublisher(store)
+    assert publisher.publish(0, v0).kind == "full" and publisher.publish(1, v1).kind == "delta"
+    with serve_store(store) as server, WeightClient(server.url) as client:
+        follower = WeightFollower(client)
+        follower.advance(0)
+        follower.advance(1)
+        assert {k: (v.shape, v.dtype) for k, v in follower.shadow.items()} == {
+            k: (v.shape, v.dtype) for k, v in v1.items()
+        }
+        assert np.array_equal(follower.shadow["w"], v1["w"])
+    store.close()

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tandem.weights.client import WeightClient
-from tandem.weights.errors import CorruptBlobError, TransportError
+from tandem.weights.errors import CorruptBlobError, TransportError, WeightStoreError
 from tandem.weights.relay import Relay
 from tandem.weights.store import PACK_BELOW, WeightStore
 from tandem.weights.transport import serve_store
@@ -118,3 +118,14 @@ def test_relay_never_caches_a_corrupt_upstream_blob(tmp_path):
             with pytest.raises(CorruptBlobError, match=key[:16]):
                 client.download(client.manifest(0).blobs)
     assert not (tmp_path / "cache" / "blobs" / key).exists()
+
+
+def test_an_unusable_cache_dir_is_refused_at_start(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    for cache in (tmp_path / "file" / "sub", tmp_path / "file"):
+        with pytest.raises(
+            WeightStoreError, match="relay cache directory .*file.* cannot be created or written"
+        ):
+            Relay(["http://127.0.0.1:1"], cache)
+    Relay(["http://127.0.0.1:1"], tmp_path / "new" / "cache").close()  # created on demand
+    assert sorted(p.name for p in (tmp_path / "new" / "cache").iterdir()) == [".tmp", "blobs", "manifests"]

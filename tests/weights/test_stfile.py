@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tandem.weights.stfile import load_weights, save_weights, write_safetensors
+from tandem.weights.stfile import SafetensorsError, load_weights, save_weights, write_safetensors
 
 
 def torch_tensors() -> dict[str, torch.Tensor]:
@@ -63,3 +63,57 @@ def test_bad_inputs_name_the_file(tmp_path):
     (tmp_path / "short.safetensors").write_bytes(raw[:-4])
     with pytest.raises(ValueError, match="bad byte range"):
         load_weights(tmp_path / "short.safetensors")
+
+
+def _raw_file(path, header: bytes, data: bytes = b"") -> None:
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+
+
+F32 = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
+BAD_HEADERS = [
+    (b"[1, 2]", "header is a JSON list"),
+    (b'"hello"', "header is a JSON str"),
+    (b'{"a": 5}', "tensor 'a' has a malformed entry 5"),
+    (b'{"a": [1, 2]}', "tensor 'a' has a malformed entry"),
+    (b'{"a": NaN}', "NaN"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "a": {}}', "'a' appears twice"),
+    (json.dumps({"__metadata__": 5, "a": F32}).encode(), "__metadata__ is 5"),
+    (json.dumps({"a": {**F32, "shape": None}}).encode(), "tensor 'a' has shape None"),
+    (json.dumps({"a": {**F32, "shape": [1.7]}}).encode(), "tensor 'a' has shape [1.7]"),
+    (json.dumps({"a": {**F32, "shape": [True]}}).encode(), "tensor 'a' has shape [True]"),
+    (json.dumps({"a": {**F32, "shape": [-1, -1]}}).encode(), "tensor 'a' has shape [-1, -1]"),
+    (json.dumps({"a": {**F32, "shape": "ab"}}).encode(), "tensor 'a' has shape 'ab'"),
+    (json.dumps({"a": {**F32, "data_offsets": None}}).encode(), "tensor 'a' has data_offsets None"),
+    (json.dumps({"a": {**F32, "data_offsets": [0, 4, 8]}}).encode(), "tensor 'a' has data_offsets"),
+    (json.dumps({"a": {**F32, "data_offsets": ["x", "y"]}}).encode(), "tensor 'a' has data_offsets"),
+    (json.dumps({"a": {**F32, "data_offsets": [0, 10**400]}}).encode(), "tensor 'a' has a bad byte range"),
+    (json.dumps({"a": {**F32, "dtype": ["F32"]}}).encode(), "tensor 'a' has unsupported dtype"),
+    (json.dumps({"a": {**F32, "shape": [2**40] * 3, "data_offsets": [0, 0]}}).encode(), "'a' has a bad byte"),
+    (json.dumps({"a": F32, "b": F32}).encode(), "tensors 'a' [0, 4) and 'b' [0, 4) overlap"),
+]
+
+
+@pytest.mark.parametrize(("header", "needle"), BAD_HEADERS, ids=[n[:24] for _, n in BAD_HEADERS])
+def test_malformed_headers_are_refused_naming_the_file_and_tensor(tmp_path, header, needle):
+    path = tmp_path / "bad.safetensors"
+    _raw_file(path, header, b"\0" * 8)
+    with pytest.raises(SafetensorsError) as info:
+        load_weights(path)
+    assert "bad.safetensors" in str(info.value) and needle in str(info.value)
+
+
+def test_valid_edge_cases_of_the_header_are_read(tmp_path):
+    """An empty tensor may sit at any offset, even inside another's bytes; a 0-d tensor has one element."""
+    header = {"__metadata__": {"format": "pt"}, "w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+              "e": {"dtype": "BF16", "shape": [0, 3], "data_offsets": [4, 4]},
+              "s": {"dtype": "I64", "shape": [], "data_offsets": [8, 16]}}  # fmt: skip
+    path = tmp_path / "edge.safetensors"
+    _raw_file(
+        path,
+        json.dumps(header).encode(),
+        np.arange(2, dtype=np.float32).tobytes() + (7).to_bytes(8, "little"),
+    )
+    ws = load_weights(path)
+    assert ws.tensors["e"].shape == (0, 3) and ws.tags["e"] == "BF16" and int(ws.tensors["s"]) == 7
+    assert ws.metadata["edge.safetensors"] == {"format": "pt"} and ws.tensors["w"].tolist() == [0.0, 1.0]

@@ -248,3 +248,41 @@ def test_downloaded_blobs_are_read_only_views_of_one_receive_buffer(tmp_path):
     assert b - a == ref1.offset - ref0.offset  # cut out in place
     with pytest.raises(TypeError):
         views[0][0] = 1
+
+
+def _raw_status(url, request: bytes) -> int:
+    """Send raw request bytes (http.client would refuse non-ASCII in a path) and return the status."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(request)
+        data = b""
+        while b"\r\n" not in data:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    return int(data.split(b" ", 2)[1])
+
+
+def test_bad_numbers_are_400_or_ignored_ranges_never_500(tmp_path):
+    store, manifest, blobs = make_store(tmp_path / "s", {"w": 1000})
+    key = manifest.blobs["w"].key
+    with serve_store(store) as server:
+        for version in (b"\xb2", b"9" * 5000, b"0" * 30 + b"1"):  # b"\xb2" is latin-1 "²": isdigit(), no int
+            request = b"GET /v1/weights/manifests/" + version + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+            assert _raw_status(server.url, request) == 400, version[:10]
+        resp, _ = get(server.url, "/v1/weights/manifests/000")
+        assert resp.status == 200
+        path = f"/v1/weights/blobs/{key}"
+        for rng in ("bytes=\xb2-", "bytes=-\xb2", "bytes=1-\xb2", "bytes=5-3", "bytes=-", "bytes=a-b"):
+            resp, body = get(server.url, path, headers={"Range": rng})  # invalid: ignored (RFC 9110)
+            assert (resp.status, body) == (200, blobs["w"]), rng
+        resp, _ = get(server.url, path, headers={"Range": "bytes=" + "9" * 5000 + "-"})
+        assert resp.status == 416 and resp.getheader("Content-Range") == "bytes */1000"
+        resp, body = get(server.url, path, headers={"Range": "bytes=10-" + "9" * 5000})
+        assert resp.status == 206 and body == blobs["w"][10:]
+        resp, body = get(server.url, path, headers={"Range": "bytes=-" + "9" * 5000})
+        assert resp.status == 206 and body == blobs["w"]
+        assert "status_500" not in json.loads(get(server.url, "/v1/weights/stats")[1])
+    with pytest.raises(ValueError, match="finite"):
+        TokenBucket(float("inf"))

@@ -2,6 +2,12 @@
 
 Invariants: ``apply`` writes its output only after the decoded tensors hash to the delta's target hash, then
 reads the written weights back and checks the hash again, so a successful exit means OUT is bit-exact.
+``diff`` refuses OLD and NEW whose safetensors dtype tags differ for a tensor (BF16 vs U16, or F8_E4M3 vs
+F8_E5M2 vs U8, read alike by numpy) and records NEW's tags in the delta's meta (``safetensors_dtypes``);
+``apply`` refuses an OLD whose tags are not those, so a delta never changes a tag. ``-o`` is written
+atomically and must not name an input, an existing non-regular file (symlink, device, FIFO, directory) or,
+for a model directory, an existing non-empty directory (``tandem.weights.outpath``); all of this is checked
+before any work is done.
 Bad input (missing path, not safetensors, different tensor sets, dtypes or shapes, wrong base, corrupt delta)
 prints one ``error:`` line naming the value and exits with status 2, without a traceback.
 """
@@ -10,15 +16,18 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import numpy as np
 import typer
 
+from tandem.weights.blob import CorruptDeltaError
 from tandem.weights.delta import (
     MAGIC,
     Delta,
+    check_names,
     decode_delta,
     delta_stats,
     dumps_delta,
@@ -26,8 +35,9 @@ from tandem.weights.delta import (
     load_delta,
     save_delta,
 )
+from tandem.weights.outpath import OutputPathError, check_not_input, check_output_dir, check_output_file
 from tandem.weights.seam import tensors_hash
-from tandem.weights.stfile import WeightSet, load_weights, save_weights
+from tandem.weights.stfile import ST_DTYPES, WeightSet, dtype_mismatch, load_weights, save_weights
 
 weights_app = typer.Typer(
     help="Lossless weight deltas: diff two versions, apply a delta, inspect a delta or a model.",
@@ -37,6 +47,7 @@ weights_app = typer.Typer(
 
 ThreadsOpt = Annotated[int, typer.Option(help="Threads for encoding/decoding.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+DTYPES_META = "safetensors_dtypes"  # delta meta: the target's safetensors dtype tag per tensor
 
 
 def _fail(message: str) -> None:
@@ -91,16 +102,22 @@ def diff(
 ) -> None:
     """Encode the lossless delta that turns OLD into NEW."""
     _check_threads(threads)
+    _check_output(output, check_output_file)
     a, b = _load(old, "OLD"), _load(new, "NEW")
+    _check_not_input(output, [("OLD", a), ("NEW", b)])
     t0 = time.perf_counter()
     try:
-        delta = encode_delta(a.tensors, b.tensors, threads=threads)
+        check_names(a.tensors, b.tensors)
+        mismatch = dtype_mismatch(a.tags, b.tags, "OLD", "NEW")
+        if mismatch:
+            raise ValueError(f"{mismatch}; both need the same safetensors dtypes")
+        delta = encode_delta(a.tensors, b.tensors, threads=threads, meta={DTYPES_META: b.tags})
     except ValueError as e:
         _fail(f"cannot diff {str(old)!r} and {str(new)!r}: {e}")
     seconds = time.perf_counter() - t0
     try:
         save_delta(output, delta)
-    except OSError as e:
+    except (OSError, OutputPathError) as e:
         _fail(f"cannot write {str(output)!r}: {e}")
     full = sum(int(t.nbytes) for t in b.tensors.values())
     _emit({"delta": str(output), **_summary(delta, full), "encode_s": round(seconds, 3)}, json_)
@@ -116,13 +133,19 @@ def apply(
 ) -> None:
     """Apply DELTA to OLD and write the new version (bit-exact, verified against the delta's target hash)."""
     _check_threads(threads)
-    if output.exists() and old.exists() and output.resolve() == old.resolve():
-        _fail("-o must differ from OLD (OLD is read while the output is written)")
+    _check_output(output, check_output_dir if old.is_dir() else check_output_file)
     base = _load(old, "OLD")
+    _check_not_input(output, [("OLD", base), ("DELTA", delta_path)])
     try:
         delta = load_delta(delta_path)
+        target_tags = _recorded_dtypes(delta, delta_path)
     except (FileNotFoundError, ValueError, OSError) as e:
         _fail(f"DELTA: {e}")
+    if target_tags is not None:  # a delta never changes a tensor's dtype tag: OLD must have the same ones
+        mismatch = dtype_mismatch(base.tags, target_tags, "OLD", "the delta's target")
+        if mismatch:
+            _fail(f"cannot apply {str(delta_path)!r} to {str(old)!r}: {mismatch}; apply it to the version it "
+                  f"was made from")  # fmt: skip
     t0 = time.perf_counter()
     try:
         tensors = decode_delta(base.tensors, delta, threads=threads, verify=True)
@@ -137,6 +160,45 @@ def apply(
         _fail(f"{str(output)!r} does not read back to the target hash; the disk may be failing")
     out = {"output": str(output), "target_hash": delta.target_hash, "verified": True}
     _emit({**out, "decode_s": round(seconds, 3)}, json_)
+
+
+def _check_output(output: Path, check: Callable[[Path], None]) -> None:
+    """Refuse an output path that cannot be written safely before any work is done (it is checked again
+    when written)."""
+    try:
+        check(output)
+    except OutputPathError as e:
+        _fail(str(e))
+
+
+def _check_not_input(output: Path, inputs: list[tuple[str, WeightSet | Path]]) -> None:
+    """Refuse ``-o`` naming an input: a weights path itself or any of its safetensors files."""
+    paths: list[tuple[str, Path]] = []
+    for label, src in inputs:
+        if isinstance(src, WeightSet):
+            paths.append((label, src.path))
+            if src.is_dir:
+                paths += [(f"a file of {label}", src.path / name) for name in src.files]
+        else:
+            paths.append((label, src))
+    try:
+        check_not_input(output, paths)
+    except OutputPathError as e:
+        _fail(str(e))
+
+
+def _recorded_dtypes(delta: Delta, path: Path) -> dict[str, str] | None:
+    """The safetensors dtype tags of the delta's target, if ``diff`` recorded them (older deltas did not)."""
+    tags = delta.meta.get(DTYPES_META)
+    if tags is None:
+        return None
+    if not (isinstance(tags, dict) and set(tags) == set(delta.blobs)
+            and all(isinstance(t, str) and t in ST_DTYPES for t in tags.values())):  # fmt: skip
+        raise CorruptDeltaError(
+            f"delta file {str(path)!r} has corrupt meta {DTYPES_META!r} (not a known safetensors dtype for "
+            f"each of its tensors); refetch it"
+        )
+    return tags
 
 
 def _is_delta(path: Path) -> bool:

@@ -2,12 +2,14 @@
 
 Invariants: each command prints one line with the URL it serves on, then blocks until Ctrl-C (or SIGTERM) and
 closes its server; both signals are handled even when the process inherited SIGINT ignored. Bad input (store
-directory missing or not a store, bad upstream URL, bad port or bandwidth, address in use) prints one
+directory missing or not a store, relay cache directory that cannot be created or written, bad upstream
+URL, bad port or bandwidth (not > 0 and finite), address in use) prints one
 ``error:`` line naming the value and exits with status 2.
 """
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from pathlib import Path
@@ -37,8 +39,8 @@ def _check_port(port: int) -> None:
 def _bandwidth(option: str, mbps: float | None) -> float | None:
     if mbps is None:
         return None
-    if not mbps > 0:
-        _fail(f"{option} must be > 0 Mbit/s, got {mbps}")
+    if not (math.isfinite(mbps_to_bytes_per_s(mbps)) and mbps > 0):
+        _fail(f"{option} must be > 0 and finite (Mbit/s), got {mbps}; omit it for no limit")
     return mbps_to_bytes_per_s(mbps)
 
 
@@ -126,6 +128,9 @@ def relay(
         _fail(f"--cache-dir {str(cache_dir)!r} exists and is not a directory")
     try:
         server = Relay(upstream, cache_dir, host, port, upstream_bandwidth_bytes_per_s=rate)
+    except WeightStoreError as e:
+        _fail(f"--cache-dir: {e}")
+        return
     except OSError as e:
         _fail(f"cannot listen on {host}:{port}: {e}")
         return

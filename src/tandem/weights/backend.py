@@ -208,6 +208,20 @@ class FileBackend:
     def delete(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
 
+    def check_writable(self, subdirs: tuple[str, ...] = ("",), what: str = "store directory") -> None:
+        """Create the root (and ``subdirs``) if needed and write and remove a probe file in each, the way
+        ``put`` writes; ``WeightStoreError`` naming the directory if that fails (a process that would only
+        fail on its first write is refused at start instead)."""
+        for sub in subdirs:
+            key = f"{sub}/.write-check-{os.getpid()}" if sub else f".write-check-{os.getpid()}"
+            try:
+                self.put(key, b"ok")
+                self.delete(key)
+            except OSError as e:
+                raise WeightStoreError(
+                    f"{what} {str(self.root)!r} cannot be created or written ({e}); pass a writable directory"
+                ) from None
+
     def acquire_lock(self, key: str) -> FileLock:
         return FileLock.acquire(self.path(key), self.describe())
 

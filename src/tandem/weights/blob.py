@@ -133,9 +133,24 @@ def parse_header(blob: bytes | memoryview, name: str = "tensor") -> BlobHeader:
         changed, pos = read_varint(blob, pos)
     except (KeyError, UnicodeDecodeError, ValueError) as e:
         raise CorruptDeltaError(f"delta blob of {name!r} has a corrupt header: {e}") from None
+    if code == 0 and not _known_numpy_tag(tag):
+        raise CorruptDeltaError(
+            f"delta blob of {name!r} has an unknown dtype tag {tag[:40]!r} (not a numpy dtype string); "
+            f"refetch it"
+        )
     if pos > end:
         raise CorruptDeltaError(f"delta blob of {name!r} has a corrupt header (runs past the end)")
     return BlobHeader(mode, tag, tuple(shape), changed, pos, end)
+
+
+@functools.lru_cache(maxsize=256)
+def _known_numpy_tag(tag: str) -> bool:
+    """``tag`` is what ``dtype_tag`` writes for some plain numpy dtype (its ``dtype.str``, no objects)."""
+    try:
+        dt = np.dtype(tag)
+    except (TypeError, ValueError, SyntaxError):
+        return False
+    return dt.str == tag and not dt.hasobject and dt.itemsize > 0
 
 
 def check_match(name: str, header: BlobHeader, prev: np.ndarray) -> None:

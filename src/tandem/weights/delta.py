@@ -15,14 +15,15 @@ Invariants:
   that scatter. ``apply_delta_inplace`` is the two in sequence and reports, per tensor that changed, the
   flat indices written or None for "whole tensor".
 - File format: ``MAGIC``, a little-endian uint32 header length, the zstd-compressed (checksummed) JSON
-  header ``{base_hash, target_hash, meta, names, sizes}``, then the blobs in ``names`` order. Files are
-  written to a temporary name and renamed, so a reader never sees a half-written delta.
+  header ``{base_hash, target_hash, meta, names, sizes}`` (every field's type is checked on load:
+  ``CorruptDeltaError`` naming the field or tensor), then the blobs in ``names`` order. Files are written
+  through ``tandem.weights.outpath.atomic_output`` (a temporary name renamed over a new path or a regular
+  file, removed on failure), so a reader never sees a half-written delta.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -36,6 +37,7 @@ from tandem.weights.blob import MODE_NAMES, CorruptDeltaError, parse_header
 from tandem.weights.codec import EscapeBudget, TensorEncoder, run_tasks
 from tandem.weights.decode_kernels import scatter_bits
 from tandem.weights.decoder import Patch, TensorDecoder
+from tandem.weights.outpath import atomic_output
 from tandem.weights.seam import tensors_hash
 
 MAGIC = b"TNDDELT1"
@@ -253,11 +255,14 @@ def loads_delta(data: bytes | memoryview, source: str = "delta") -> Delta:
     hlen = int.from_bytes(data[8:12], "little")
     try:
         header = json.loads(zstandard.ZstdDecompressor().decompress(data[12 : 12 + hlen]))
+        if not isinstance(header, dict):
+            raise TypeError(f"it is a JSON {type(header).__name__}, not an object")
         names, sizes = header["names"], header["sizes"]
         base, target, meta = header["base_hash"], header["target_hash"], header.get("meta", {})
-    except (zstandard.ZstdError, ValueError, KeyError, TypeError) as e:
+    except (zstandard.ZstdError, ValueError, KeyError, TypeError, RecursionError) as e:
         raise CorruptDeltaError(f"{source} has a corrupt header: {e}") from None
-    if len(names) != len(sizes) or 12 + hlen + sum(sizes) != len(data):
+    _check_header(source, names, sizes, base, target, meta)
+    if 12 + hlen + sum(sizes) != len(data):
         raise CorruptDeltaError(f"{source} is truncated or has trailing bytes; refetch it")
     blobs, pos = {}, 12 + hlen
     for name, size in zip(names, sizes, strict=True):
@@ -266,14 +271,33 @@ def loads_delta(data: bytes | memoryview, source: str = "delta") -> Delta:
     return Delta(base, target, blobs, meta)
 
 
+def _check_header(source: str, names: Any, sizes: Any, base: Any, target: Any, meta: Any) -> None:
+    """The header's fields have their types: names unique strings, sizes non-negative integers (one per
+    name), hashes strings, meta an object; else ``CorruptDeltaError`` naming the field (and tensor)."""
+
+    def bad(what: str) -> CorruptDeltaError:
+        return CorruptDeltaError(f"{source} has a corrupt header: {what}; refetch it")
+
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise bad("'names' is not a list of tensor names")
+    if len(set(names)) != len(names):
+        raise bad("'names' repeats a tensor")
+    if not isinstance(sizes, list) or len(sizes) != len(names):
+        raise bad(f"'sizes' is not a list of {len(names)} blob sizes")
+    for name, size in zip(names, sizes, strict=True):
+        if type(size) is not int or size < 0:
+            raise bad(f"blob size of tensor {name!r} is {repr(size)[:40]}, not a non-negative integer")
+    if not isinstance(base, str) or not isinstance(target, str):
+        raise bad("'base_hash' and 'target_hash' must be strings")
+    if not isinstance(meta, dict):
+        raise bad("'meta' is not an object")
+
+
 def save_delta(path: str | Path, delta: Delta) -> Path:
+    """Write ``delta`` atomically (``tandem.weights.outpath.atomic_output``: a new path or a regular file)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
+    with atomic_output(path) as f:
         f.write(dumps_delta(delta))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return path
 
 

@@ -8,6 +8,7 @@ bucket take at least ``(n - burst) / rate`` seconds of wall time in total, howev
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -16,8 +17,8 @@ DEFAULT_BURST_BYTES = 64 * 1024
 
 class TokenBucket:
     def __init__(self, rate_bytes_per_s: float, burst_bytes: int | None = None) -> None:
-        if not rate_bytes_per_s > 0:
-            raise ValueError(f"bandwidth must be > 0 bytes/s, got {rate_bytes_per_s}")
+        if not (math.isfinite(rate_bytes_per_s) and rate_bytes_per_s > 0):
+            raise ValueError(f"bandwidth must be > 0 and finite (bytes/s), got {rate_bytes_per_s}")
         self.rate = float(rate_bytes_per_s)
         self.burst = int(burst_bytes if burst_bytes is not None else max(DEFAULT_BURST_BYTES, self.rate / 20))
         self._mutex = threading.Lock()

@@ -10,6 +10,8 @@ Invariants:
   run are re-hashed once before they are served). Cache writes are atomic.
 - Manifests are immutable and cached in memory after one upstream fetch; ``latest`` is forwarded and cached
   for ``latest_ttl_s`` (0: always forwarded), and a cached value is served if upstream is unreachable.
+- The cache directory is created and test-written on construction: an unusable one is a
+  ``WeightStoreError`` naming it before anything starts, not a 500 on every request later.
 - ``upstream_bandwidth_bytes_per_s`` paces everything the relay receives from upstream (one link);
   ``bandwidth_bytes_per_s`` paces what it sends to local clients. A blob is served only after it is fully
   cached (store and forward).
@@ -50,6 +52,9 @@ class Relay:
         retries: int = 3,
         timeout_s: float = 30.0,
     ) -> None:
+        self.cache = FileBackend(cache_dir, durable=False)
+        # before anything starts: an unusable cache would otherwise fail every request with a 500
+        self.cache.check_writable(("blobs", "manifests"), what="relay cache directory")
         self.upstream_limiter = (
             TokenBucket(upstream_bandwidth_bytes_per_s) if upstream_bandwidth_bytes_per_s else None
         )
@@ -60,7 +65,6 @@ class Relay:
             timeout_s=timeout_s,
             limiter=self.upstream_limiter,
         )
-        self.cache = FileBackend(cache_dir, durable=False)
         self.latest_ttl_s = latest_ttl_s
         self._mutex = threading.Lock()
         self._inflight: dict[str, Future[None]] = {}

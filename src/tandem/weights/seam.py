@@ -1,9 +1,9 @@
 """The publish/apply seam between trainer and engines.
 
 Invariants: ``WeightUpdate.weights_hash`` is the BLAKE3 hash (256 bits, hex) over every tensor's name, dtype,
-shape and bytes in name order; ``verify_update`` recomputes it and raises ``ValueError`` naming the version on
-mismatch, so an engine never applies weights whose content differs from what the trainer published. Versions
-are monotone.
+shape and bytes in name order (tensors with a 0 in their shape included); ``verify_update`` recomputes it and
+raises ``ValueError`` naming the version on mismatch, so an engine never applies weights whose content differs
+from what the trainer published. Versions are monotone.
 """
 
 from __future__ import annotations
@@ -39,8 +39,14 @@ def tensors_hash(tensors: dict[str, np.ndarray]) -> str:
         h.update(name.encode())
         h.update(str(arr.dtype).encode())
         h.update(str(arr.shape).encode())
-        h.update(memoryview(arr).cast("B"))
+        h.update(byte_view(arr))
     return h.hexdigest()
+
+
+def byte_view(arr: np.ndarray) -> memoryview:
+    """The bytes of ``arr`` (C order) as a flat memoryview, without a copy when it is contiguous. Works for
+    every shape, also 0-d and empty ones (``memoryview.cast`` refuses a shape with a zero)."""
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
 
 
 def make_update(version: int, tensors: dict[str, np.ndarray]) -> WeightUpdate:

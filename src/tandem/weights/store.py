@@ -78,8 +78,15 @@ def blob_key(sha256: str) -> str:
 
 def _version_of(key: str) -> int | None:
     name = key[len(MANIFEST_PREFIX) :]
-    if len(name) == 14 and name.startswith("v") and name.endswith(".json") and name[1:9].isdigit():
-        return int(name[1:9])
+    digits = name[1:9]  # ASCII only: str.isdigit() alone accepts e.g. "²", which int() refuses
+    if (
+        len(name) == 14
+        and name.startswith("v")
+        and name.endswith(".json")
+        and digits.isascii()
+        and digits.isdigit()
+    ):
+        return int(digits)
     return None
 
 

@@ -2,9 +2,11 @@
 
 Routes (GET and HEAD):
 - ``/v1/weights/latest`` -> ``{"version": int | null}``
-- ``/v1/weights/manifests/{version}`` -> the manifest JSON exactly as stored (404 names the version)
+- ``/v1/weights/manifests/{version}`` -> the manifest JSON exactly as stored (404 names the version; 400 for
+  a version that is not 1-19 ASCII digits)
 - ``/v1/weights/blobs/{sha256}`` -> the blob's bytes; ``Range: bytes=a-b`` / ``a-`` / ``-n`` answers 206 with
-  ``Content-Range``, an unsatisfiable range 416; multi-range requests get the whole blob (200)
+  ``Content-Range``, a valid but unsatisfiable range 416; an invalid Range header (RFC 9110: bad syntax,
+  non-ASCII digits, last < first) and multi-range requests get the whole blob (200)
 - ``/v1/weights/stats`` -> the server's counters (requests, blob GETs per key, bytes sent)
 
 Invariants: a blob is sent only after its bytes were checked against its address (once per process per
@@ -114,25 +116,41 @@ class _Unsatisfiable(Exception):
     pass
 
 
+MAX_DIGITS = 19  # more significant digits than any version or blob size can have
+
+
+def ascii_int(text: str) -> int | None:
+    """``text`` as a non-negative integer if it is 1 or more ASCII digits, else None (``str.isdigit`` alone
+    accepts e.g. superscripts, which ``int`` refuses). More than ``MAX_DIGITS`` significant digits read as
+    ``10**MAX_DIGITS`` (beyond any blob), so ``int`` never parses thousands of digits."""
+    if not text or not (text.isascii() and text.isdigit()):
+        return None
+    digits = text.lstrip("0") or "0"
+    return int(digits) if len(digits) <= MAX_DIGITS else 10**MAX_DIGITS
+
+
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
-    """``[start, end)`` of a single-range header, None for "whole blob"; raises ``_Unsatisfiable``."""
+    """``[start, end)`` of a single-range header, None for "whole blob"; raises ``_Unsatisfiable``.
+
+    As RFC 9110 (14.2) says, a Range header that is not a valid single byte range (unknown unit, no ``-``,
+    non-digits, last < first, several ranges) is ignored: the whole blob is sent (200). Only a valid range
+    that selects no byte of the blob is unsatisfiable (416)."""
     if not header or not header.startswith("bytes=") or "," in header:
         return None
     first, sep, last = header[6:].strip().partition("-")
-    if not sep or not (first.isdigit() or last.isdigit()) or (first and not first.isdigit()):
+    start, stop = ascii_int(first), ascii_int(last)
+    if not sep or (first and start is None) or (last and stop is None) or (start is None and stop is None):
         return None
-    if last and not last.isdigit():
-        return None
-    if not first:  # suffix: the last n bytes
-        n = int(last)
-        if n == 0 or size == 0:
+    if start is None:  # suffix: the last n bytes
+        assert stop is not None
+        if stop == 0 or size == 0:
             raise _Unsatisfiable
-        return max(0, size - n), size
-    start = int(first)
-    end = min(size, int(last) + 1) if last else size
-    if start >= size or end <= start:
+        return max(0, size - stop), size
+    if stop is not None and stop < start:
+        return None  # invalid, not unsatisfiable
+    if start >= size:
         raise _Unsatisfiable
-    return start, end
+    return start, size if stop is None else min(size, stop + 1)
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -199,10 +217,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(500, f"internal error: {type(e).__name__}: {e}")
 
     def _manifest(self, text: str, head: bool) -> None:
-        if not text.isdigit():
-            self._error(400, f"manifest version {text!r} is not a non-negative integer")
+        version = ascii_int(text)
+        if version is None or len(text) > MAX_DIGITS:
+            self._error(
+                400,
+                f"manifest version {text[:40]!r} is not a non-negative integer of up to {MAX_DIGITS} digits",
+            )
             return
-        body = self.server.owner.source.manifest_bytes(int(text))
+        body = self.server.owner.source.manifest_bytes(version)
         self._send(200, body, "application/json", head)
 
     def _blob(self, key: str, head: bool) -> None:
