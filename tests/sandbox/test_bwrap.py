@@ -71,6 +71,41 @@ def test_no_network(sb: Sandbox) -> None:
         listener.close()
 
 
+TRACE_THE_WRAPPER = """
+import ctypes, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+print("ptrace", libc.ptrace(16, 1, 0, 0), ctypes.get_errno())  # PTRACE_ATTACH to pid 1
+for f in ("/proc/1/mem", "/proc/1/fd/1"):
+    try:
+        open(f, "rb").close()
+        print("opened", f)
+    except OSError as e:
+        print("refused", f, e.errno)
+os.kill(1, signal.SIGKILL)  # ignored: signals from inside a pid namespace do not reach its init
+print("survived")
+"""
+
+
+def test_the_wrapper_reporting_a_command_cannot_be_traced_or_killed_by_it(sb: Sandbox) -> None:
+    """A command that could trace pid 1 (which reports its exit status and leftovers and holds the output
+    pipes) could forge a grade: a probe scored 1.0 on all three task sources by rewriting it."""
+    r = sb.exec(["python3", "-c", TRACE_THE_WRAPPER])
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "ptrace -1 1",  # EPERM
+        "refused /proc/1/mem 13",  # EACCES
+        "refused /proc/1/fd/1 13",
+        "survived",
+    ]
+    assert "leftover_processes" not in r.limits
+
+
+def test_orphans_are_reaped_and_not_counted_as_leftovers(sb: Sandbox) -> None:
+    r = sb.exec(["sh", "-c", "(sleep 0.2 &); (true &); sleep 1; ls /proc | grep -c '^[0-9]'"])
+    assert r.exit_code == 0 and int(r.stdout) == 4, r.stdout  # pid 1, sh, ls, grep: no zombies
+    assert "leftover_processes" not in r.limits
+
+
 def test_system_is_read_only(sb: Sandbox) -> None:
     name = f"tandem-ro-{uuid.uuid4().hex}"
     for target in (f"/usr/{name}", f"/etc/{name}", f"/{name}", f"{sys.base_prefix}/{name}"):

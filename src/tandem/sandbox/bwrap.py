@@ -4,6 +4,13 @@ Invariants of the sandbox a command sees (``bwrap`` 0.8 flags, built once per sa
 - ``--unshare-all``: own user, pid, net (loopback only, no route out), ipc, uts and cgroup namespaces;
   ``--die-with-parent`` and the pid namespace make every process die with the sandbox's ``bwrap``.
 - ``--cap-drop ALL`` and ``--new-session`` (no capabilities, no TIOCSTI into the caller's terminal).
+- Nothing inside the sandbox that reports on a command can be traced by it: pid 1 is the wrapper that runs
+  the command and reports its exit status and leftover processes, and it runs ``INIT``, an execute-only
+  copy of ``/bin/sh`` (mode 0111), so the kernel makes it non-dumpable: a command of the same uid can
+  neither ``ptrace`` it nor open its ``/proc/1/mem`` or ``/proc/1/fd`` (a solution that traced bwrap's
+  init or a dumpable wrapper could rewrite the grader's exit status and stdout: a forged full pass), nor
+  kill it (signals from inside a pid namespace do not reach its init). bwrap itself stays outside
+  (``--as-pid-1``).
 - Run as root, tandem starts ``bwrap`` through ``setpriv`` as the unprivileged ``SandboxConfig.uid`` (no
   supplementary groups, no capabilities; the cgroups and rlimits are set before the switch), so a command
   is not root inside the sandbox nor outside it. Without root, commands run as tandem's uid. (``setpriv``
@@ -67,6 +74,11 @@ _etc_lock = threading.Lock()
 _etc_copies: dict[tuple[tuple[str, int, int, int, int], ...], Path] = {}
 
 
+INIT_NAME = "tandem-init"
+"""An execute-only copy of the host's ``/bin/sh`` in the ``/etc`` copy: the sandbox's pid 1 (``_argv``)."""
+INIT = f"/etc/{INIT_NAME}"
+
+
 def _etc_key() -> tuple[tuple[str, int, int, int, int], ...]:
     key = []
     for name in ETC_FILES:
@@ -75,6 +87,8 @@ def _etc_key() -> tuple[tuple[str, int, int, int, int], ...]:
         except OSError:
             continue
         key.append((name, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
+    st = os.stat("/bin/sh")
+    key.append((INIT_NAME, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size))
     return tuple(key)
 
 
@@ -102,6 +116,10 @@ def etc_copy() -> Path:
         d = Path(tempfile.mkdtemp(prefix=f"tandem-sbx-{_host_tag()}-{os.getpid()}-etc-{tag}-"))
         try:
             for name, *_ in key:
+                if name == INIT_NAME:
+                    shutil.copyfile("/bin/sh", d / name)
+                    os.chmod(d / name, 0o111)  # execute-only: its processes are not dumpable (see _argv)
+                    continue
                 src, dst = Path("/etc") / name, d / name
                 if src.is_dir():
                     shutil.copytree(src, dst, symlinks=True)
@@ -181,6 +199,7 @@ def _static_args(tmp_mb: int, uid: int | None, etc: Path) -> tuple[tuple[str, ..
         setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
         args += [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
     args += [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
+    args += ["--as-pid-1"]  # no bwrap process inside: the wrapper (INIT) is pid 1, see BwrapSandbox._argv
     args += ["--cap-drop", "ALL"]
     args += ["--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
     for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
@@ -202,10 +221,11 @@ def _static_args(tmp_mb: int, uid: int | None, etc: Path) -> tuple[tuple[str, ..
     return tuple(args), (*tail, "--")
 
 
-LEFTOVER_WRAPPER = 'rc=0; "$@" 3>&- || rc=$?; set -- /proc/[0-9]*; echo "leftover $(($# - 2))" >&3; exit $rc'
-"""Runs the command as pid 2 of the sandbox's pid namespace (bwrap's init is pid 1) without the status fd,
-then reports on fd 3 how many other processes are still alive in the namespace, and exits with the
-command's status (128+N when a signal killed it)."""
+LEFTOVER_WRAPPER = 'rc=0; "$@" 3>&- || rc=$?; set -- /proc/[0-9]*; echo "leftover $(($# - 1))" >&3; exit $rc'
+"""Run by ``INIT`` as pid 1 of the sandbox's pid namespace (``--as-pid-1``: no bwrap process inside): runs
+the command as pid 2 without the status fd (reaping any orphan meanwhile, as its foreground wait takes
+every child), then reports on fd 3 how many other processes are still alive in the namespace, and exits
+with the command's status (128+N when a signal killed it); its exit ends the namespace."""
 
 
 @functools.cache
@@ -289,7 +309,7 @@ class BwrapSandbox(Sandbox):
 
     def _argv(self, cmd: list[str], env: dict[str, str]) -> list[str]:
         setenv = [arg for key, value in env.items() for arg in ("--setenv", key, value)]
-        return [*self._prefix[:-1], *setenv, "--", "/bin/sh", "-c", LEFTOVER_WRAPPER, "tandem-exec", *cmd]
+        return [*self._prefix[:-1], *setenv, "--", INIT, "-c", LEFTOVER_WRAPPER, "tandem-exec", *cmd]
 
     def _env(self, env: dict[str, str]) -> dict[str, str]:
         return {"PATH": "/usr/bin:/bin"}  # only bwrap itself sees this; --clearenv builds the command's env
