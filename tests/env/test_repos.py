@@ -235,3 +235,15 @@ def test_cli_try_grades_a_solution_dir(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert out["task"] == task_id and out["reward"] == 1.0 and not out["flags"]["tests_edited"]
+
+
+def test_a_result_line_the_grader_components_do_not_add_up_to_is_not_the_graders():
+    """Defence in depth against forged output (a probe forged RESULT 23/23 beside f2p_passed=0 by tracing
+    the sandbox's wrapper, now impossible): a RESULT line must equal the sum of the f2p/p2p components."""
+    from tandem.env.reward import _parts_add_up
+
+    parts = {"f2p_passed": 0.0, "f2p_total": 2.0, "p2p_passed": 21.0, "p2p_total": 21.0}
+    assert _parts_add_up(parts, 21, 23)
+    assert not _parts_add_up(parts, 23, 23)
+    assert not _parts_add_up({**parts, "f2p_total": 0.0}, 21, 23)
+    assert _parts_add_up({}, 5, 5)  # tasks without components are not cross-checked

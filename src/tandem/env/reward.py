@@ -167,7 +167,11 @@ def score(
             if task.meta.get("result_components"):  # counts the task's grader reports, e.g. f2p/p2p
                 from tandem.env.repo_grader import result_components
 
-                comps.update(result_components(task, result.stdout))
+                parts = result_components(task, result.stdout)
+                comps.update(parts)
+                if not _parts_add_up(parts, *parsed):  # not the grader's own output: score nothing
+                    comps["parse_error"] = 1.0
+                    comps["tests_passed"] = comps["pass_fraction"] = comps["all_passed"] = 0.0
         for name in result.limits:
             comps[f"limit_{name}"] = 1.0
         if set(result.limits) & VIOLATIONS:  # graded work must stay within its limits to earn anything
@@ -183,6 +187,17 @@ def score(
         comps["test_edit_penalty"] = min(config.test_edit_penalty, max(value, 0.0))
         value -= comps["test_edit_penalty"]
     return Reward(value, comps)
+
+
+def _parts_add_up(parts: dict[str, float], passed: int, total: int) -> bool:
+    """Whether a grader's ``*_passed``/``*_total`` components (e.g. f2p and p2p) sum to its RESULT line's
+    counts, as the grader's own output always does (a cross-check against forged output)."""
+    groups = {n.rsplit("_", 1)[0] for n in parts if n.endswith(("_passed", "_total"))}
+    if not groups:
+        return True
+    got = sum(parts.get(f"{g}_passed", 0.0) for g in groups)
+    of = sum(parts.get(f"{g}_total", 0.0) for g in groups)
+    return got == passed and of == total
 
 
 def _judge(task: Task, files: dict[str, str], names: list[str], config: RewardConfig) -> dict[str, Verdict]:
