@@ -32,6 +32,9 @@ def eval_model(
 
     if split not in ("heldout", "train"):
         raise ValueError(f"--split must be 'heldout' or 'train', got {split!r}")
+    for option, value in (("--n-tasks", n_tasks), ("--samples", samples_per_task)):
+        if value is not None and value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}; omit it for the config's default")
     torch.set_num_threads(max(1, cfg.engine.threads))
     chat = load_chat_format(model_path)
     kind, _ = choose_engine(cfg.engine, model_path, builtin_only_setting(cfg))
@@ -43,9 +46,9 @@ def eval_model(
         deterministic=cfg.train.deterministic,
     )
     engine.start()
-    n = n_tasks or cfg.tasks.heldout_size
+    n = cfg.tasks.heldout_size if n_tasks is None else n_tasks
     tasks = [apply_limits(t, cfg) for t in tasks_for(cfg.tasks, split, n)]
-    spt = samples_per_task or max(cfg.eval.samples_per_task, max(ks))
+    spt = max(cfg.eval.samples_per_task, max(ks)) if samples_per_task is None else samples_per_task
 
     async def generate(request):
         return await asyncio.wrap_future(engine.submit(request))
