@@ -81,10 +81,20 @@ def train(
         "runs/default"
     ),
     set_: SetOpt = None,
-    resume: Annotated[bool, typer.Option(help="Continue from the latest checkpoint in --run-dir.")] = False,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            help="Continue from the latest checkpoint in --run-dir with the run's recorded config.toml; "
+            "--set may change its infrastructure (orchestrator, engine, weights, sandbox, eval), not what "
+            "it trains (model, train, rollout, reward, tasks)."
+        ),
+    ] = False,
     ray_address: Annotated[str | None, typer.Option(help="Join this Ray cluster.")] = None,
 ) -> None:
     """Run RL training (async by default) and write metrics, checkpoints and report.md to --run-dir."""
+    recorded = run_dir / "config.toml"
+    if resume and preset is None and config is None and recorded.is_file():
+        config = recorded  # a resume continues with the run's own settings (--set may extend its budget)
     if preset is None and config is None:
         preset = "default"
     overrides = list(set_ or [])

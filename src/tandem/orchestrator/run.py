@@ -28,6 +28,7 @@ from tandem.core.errors import TandemError
 from tandem.core.procs import busy_cores, cpu_ticks
 from tandem.orchestrator.actors import BufferActor, EngineActor, RolloutActor, TrainerActor
 from tandem.orchestrator.metrics import MetricsLogger, ProgressLine
+from tandem.orchestrator.rundir import check_run_dir
 from tandem.orchestrator.weightpath import WeightPath
 
 MISMATCH_STEPS = 3
@@ -84,9 +85,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
     from tandem.engine.choice import resolve_run_engine
     from tandem.train.checkpoint import latest_checkpoint
 
-    cfg, engine_reason = resolve_run_engine(cfg)  # engine.kind 'auto' -> the engine every actor runs
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(dump_config(cfg))
+    cfg = check_run_dir(cfg, run_dir, resume)  # a new run never mixes with an old one; a resume keeps config
     resume_dir = None
     if resume:
         ckpt = latest_checkpoint(run_dir)
@@ -95,6 +94,9 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
                 f"--resume: no checkpoint under {run_dir / 'checkpoints'}; start without it"
             )
         resume_dir = str(ckpt)
+    cfg, engine_reason = resolve_run_engine(cfg)  # engine.kind 'auto' -> the engine every actor runs
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(dump_config(cfg))
     init_ray(cfg)
     o, b = cfg.orchestrator, cfg.train.groups_per_step
 

@@ -1,0 +1,32 @@
+"""Run directories: a new run never mixes with an old one; a resume keeps what the run trained with."""
+
+import pytest
+
+from tandem.core.config import dump_config, load_config
+from tandem.core.errors import TandemError
+from tandem.orchestrator.rundir import check_run_dir
+
+
+def test_a_new_run_refuses_a_directory_holding_a_run(tmp_path):
+    cfg = load_config()
+    assert check_run_dir(cfg, tmp_path / "new", resume=False) is cfg
+    (tmp_path / "config.toml").write_text(dump_config(cfg))  # a run that never started: fine to reuse
+    assert check_run_dir(cfg, tmp_path, resume=False) is cfg
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(TandemError, match="already holds a run .metrics.jsonl with rows.*--resume"):
+        check_run_dir(cfg, tmp_path, resume=False)
+
+
+def test_a_resume_refuses_changes_to_what_the_run_trained_with_naming_them(tmp_path):
+    recorded = load_config(overrides=["engine.kind='builtin'"])
+    (tmp_path / "config.toml").write_text(dump_config(recorded))
+    changed = load_config(overrides=["train.lr=0.1", "rollout.group_size=4", "orchestrator.steps=500"])
+    with pytest.raises(TandemError) as info:
+        check_run_dir(changed, tmp_path, resume=True)
+    message = str(info.value)
+    assert f"train.lr ({recorded.train.lr!r} -> 0.1)" in message and "rollout.group_size (8 -> 4)" in message
+    assert "orchestrator.steps" not in message  # how long to go on may change
+    more = load_config(overrides=["orchestrator.steps=500", "orchestrator.mode='sync'", "train.threads=2"])
+    kept = check_run_dir(more, tmp_path, resume=True)
+    assert kept.engine.kind == "builtin"  # 'auto' resumes the engine the run recorded
+    assert kept.orchestrator.steps == 500 and kept.orchestrator.mode == "sync"
