@@ -64,3 +64,22 @@ def test_a_context_too_short_for_every_prompt_stops_the_run_fast_naming_it(tmp_p
         ray.shutdown()
     assert time.monotonic() - t0 < 300  # well before the 600 s request timeout
     assert reason in (tmp_path / "without_eval" / "rollout_errors.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_harness_that_fails_every_rollout_stops_the_run_naming_its_output(tmp_path):
+    """Before, every rollout failed (harness_failed_frac 1.0), the run trained on nothing and exited 0."""
+    cfg = build_config(
+        "smoke",
+        None,
+        [
+            """rollout.harness_command=["python3", "-c", "import sys; sys.exit('no API key found')"]""",
+            "eval.before_after=false",
+        ],
+    )
+    try:
+        reason = "harness error: exit 1: no API key found"
+        with pytest.raises(TandemError, match=f"rollout groups all failed .*{reason}"):
+            train(cfg, tmp_path, quiet=True)
+    finally:
+        ray.shutdown()

@@ -14,6 +14,7 @@ import pytest
 
 from tandem.core.config import EngineConfig, RunConfig
 from tandem.engine import BuiltinEngine
+from tandem.env.harness import session_error
 from tandem.env.tasks import generate_task
 from tandem.model import load_chat_format
 from tandem.rollout import RolloutWorker
@@ -93,6 +94,9 @@ def test_crashing_and_hanging_harnesses_fail_their_rollout_only(engine) -> None:
     t = crashed.trajectories[0]
     assert t.flags["harness_failed"] and t.reward.value == 0.0
     assert t.reward.components["harness_exit_code"] == 3.0 and t.flags["no_requests"]
+    _, crashed = run_group(engine, ["python3", "-c", "import sys; sys.exit('no API key found')"], n=1)
+    # the reason the run reports when every rollout fails so (``session_error``: the output's tail)
+    assert session_error(crashed.trajectories[0]) == "harness error: exit 1: no API key found"
     _, hung = run_group(engine, ["sleep", "1000"], wall_time_s=2.0, n=1)
     t = hung.trajectories[0]
     assert t.flags["harness_failed"] and t.reward.value == 0.0

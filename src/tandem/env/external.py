@@ -8,8 +8,9 @@ Invariants:
 - The trajectory's segments are the gateway's record of the session (``record(session_id)``), never
   re-tokenized; empty segments are dropped (``flags["no_requests"]`` when nothing is left).
 - A non-zero exit, a crash, a timeout or a sandbox failure gives ``flags["harness_failed"]`` (or
-  ``sandbox_error``) and reward 0, logged with the tail of the output; otherwise the final workspace is
-  graded by ``tandem.env.reward.score``. Nothing raises for what the harness does.
+  ``sandbox_error``) and reward 0, logged with the tail of the output, whose end is also the session's last
+  message (``harness error: exit N: ...``, read by ``tandem.env.harness.session_error``); otherwise the
+  final workspace is graded by ``tandem.env.reward.score``. Nothing raises for what the harness does.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import time
 from collections.abc import Callable
 
 from tandem.core.config import RewardConfig, SandboxConfig
-from tandem.core.records import Reward, Segment, Task, Trajectory
+from tandem.core.records import Message, Reward, Segment, Task, Trajectory
+from tandem.env.harness import HARNESS_ERROR
 
 OUTPUT_TAIL_CHARS = 4000
+REASON_CHARS = 300  # of the output's tail kept as the session's last message
 log = logging.getLogger(__name__)
 
 
@@ -76,9 +79,12 @@ def run_external_session(
     traj = record(session_id)
     segments = [s for s in (traj.segments if traj else []) if len(s)]
     flags["no_requests"] = not segments
+    messages = list(traj.messages) if traj else []
     if flags["harness_failed"] or flags["sandbox_error"]:
         reward = Reward(0.0, {"harness_failed": 1.0})
         log.warning("harness failed on %s (session %s, exit %d): %s", task.id, session_id, exit_code, output)
+        tail = output.strip()[-REASON_CHARS:]
+        messages.append(Message("tool", f"{HARNESS_ERROR}exit {exit_code}: {tail}"))  # session_error reads it
     else:
         reward = score(task, files, reward_config, sandbox_config)
     reward.components["harness_exit_code"] = float(exit_code)
@@ -91,6 +97,6 @@ def run_external_session(
         flags=flags,
         timings={"total_s": time.monotonic() - started},
         tool_stats=dict(traj.tool_stats) if traj else {},
-        messages=list(traj.messages) if traj else [],
+        messages=messages,
         diff=workspace_diff(task.workspace, files),
     )

@@ -38,17 +38,20 @@ from tandem.core.records import Message, Reward, SegmentBuilder, Task, Trajector
 GenerateFn = Callable[[GenerationRequest], Awaitable[Completion]]
 ENGINE_ERROR = "engine error: "  # the last message of a session an engine error ended, then the reason
 SANDBOX_ERROR = "sandbox error: "  # likewise for a sandbox that could not start
+HARNESS_ERROR = "harness error: "  # likewise for an external harness that failed (``tandem.env.external``)
+ERROR_FLAGS = ("engine_error", "sandbox_error", "harness_failed")
 
 
 def session_error(trajectory: Trajectory) -> str | None:
-    """Why the session ended before it could be graded (``engine error: ...`` or ``sandbox error: ...``, as
-    its last message says), or None when it ended normally."""
-    if not (trajectory.flags.get("engine_error") or trajectory.flags.get("sandbox_error")):
+    """Why the session ended before it could be graded (``engine error: ...``, ``sandbox error: ...`` or
+    ``harness error: ...``, as its last message says), or None when it ended normally."""
+    flagged = [f for f in ERROR_FLAGS if trajectory.flags.get(f)]
+    if not flagged:
         return None
     for m in reversed(trajectory.messages):
-        if isinstance(m.content, str) and m.content.startswith((ENGINE_ERROR, SANDBOX_ERROR)):
+        if isinstance(m.content, str) and m.content.startswith((ENGINE_ERROR, SANDBOX_ERROR, HARNESS_ERROR)):
             return m.content
-    return "engine error" if trajectory.flags.get("engine_error") else "sandbox error"
+    return flagged[0].replace("_", " ")
 
 
 def segment_routes(routes: Any, covered: int, length: int) -> np.ndarray | None:
