@@ -134,3 +134,27 @@ def test_loading_a_mismatched_checkpoint_names_the_problem(model_dir, tmp_path):
         trainer.load_checkpoint(ck)
     after = _weights(trainer)
     assert trainer.version == 0 and all(torch.equal(before[k], after[k]) for k in before)  # left untouched
+
+
+def test_a_damaged_checkpoint_file_is_refused_naming_it_and_the_earlier_checkpoint(model_dir, tmp_path):
+    """Before, 0xFF bytes written into a checkpoint's weights resumed into a NaN model and exited 0."""
+    from tandem.train.checkpoint import CheckpointError
+
+    trainer = Trainer(model_dir, _config())
+    trainer.save_checkpoint(checkpoint_path(tmp_path, 1))
+    trainer.version = 2
+    ck = trainer.save_checkpoint(checkpoint_path(tmp_path, 2))
+    assert set(read_state(ck)["files"]) >= {"model.safetensors", "optimizer.pt", "config.json"}
+    weights = ck / "model.safetensors"
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[:-64] + b"\xff" * 64)  # inside the last tensor's bytes: the header parses
+    fresh = Trainer(model_dir, _config())
+    before = _weights(fresh)
+    with pytest.raises(CheckpointError, match="model.safetensors does not match the hash .*step_000001"):
+        fresh.load_checkpoint(ck)
+    assert all(torch.equal(before[k], v) for k, v in _weights(fresh).items())  # left untouched
+    weights.write_bytes(intact)
+    (ck / "optimizer.pt").write_bytes(b"")  # truncated
+    with pytest.raises(CheckpointError, match="optimizer.pt does not match"):
+        fresh.load_checkpoint(ck)
+    assert fresh.load_checkpoint(checkpoint_path(tmp_path, 1))["version"] == 0  # the earlier one loads

@@ -8,6 +8,8 @@ plus the trainer's resumable state (``trainer_state.json``, ``optimizer.pt``, ``
 Invariants:
 - A checkpoint directory exists under its final name only when complete: it is written to a hidden temporary
   sibling and renamed into place; ``trainer_state.json`` (carrying ``"complete": true``) is written last.
+- ``trainer_state.json`` records the BLAKE3 hash of every other file; loading verifies them first
+  (``verify_files``), so a damaged checkpoint is refused naming the file instead of resuming into NaN weights.
 - Replacing an existing checkpoint of the same name never leaves a moment with neither the old nor the new one
   complete on disk except between two renames; a crash leaves at most a hidden ``.tmp``/``.old`` sibling that
   :func:`latest_checkpoint` ignores and the next write cleans up.
@@ -22,6 +24,15 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import blake3
+
+from tandem.core.errors import TandemError
+
+
+class CheckpointError(TandemError, ValueError):
+    """A checkpoint's files do not match what was written (see ``verify_files``)."""
+
 
 STATE_FILE = "trainer_state.json"
 FORMAT = 1
@@ -73,8 +84,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_state(ckpt_dir: str | Path, state: dict[str, Any]) -> None:
-    """Write ``trainer_state.json`` (call last: its presence with ``complete`` marks the checkpoint whole)."""
-    data = {"format": FORMAT, **state, "complete": True}
+    """Write ``trainer_state.json`` (call last: its presence with ``complete`` marks the checkpoint whole),
+    with the BLAKE3 hash of every other file of the checkpoint (``files``, checked by ``verify_files``)."""
+    data = {"format": FORMAT, **state, "files": _file_hashes(Path(ckpt_dir)), "complete": True}
     path = Path(ckpt_dir) / STATE_FILE
     with open(path, "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
@@ -96,6 +108,44 @@ def read_state(ckpt_dir: str | Path) -> dict[str, Any]:
     if data.get("format") != FORMAT:
         raise ValueError(f"checkpoint {ckpt_dir} has format {data.get('format')}, this tandem reads {FORMAT}")
     return data
+
+
+def _file_hashes(ckpt_dir: Path) -> dict[str, str]:
+    out = {}
+    for p in sorted(ckpt_dir.rglob("*")):
+        if p.is_file() and p.name != STATE_FILE:
+            out[p.relative_to(ckpt_dir).as_posix()] = _hash(p)
+    return out
+
+
+def _hash(path: Path) -> str:
+    h = blake3.blake3(max_threads=4)
+    h.update_mmap(path)  # streamed: a large optimizer state is never read into memory whole
+    return h.hexdigest()
+
+
+def verify_files(ckpt_dir: str | Path, state: dict[str, Any]) -> None:
+    """Check every file the checkpoint recorded against its hash (checkpoints written before hashes were
+    recorded have nothing to check); a missing, truncated or damaged file raises ``CheckpointError`` naming
+    it and the run's earlier checkpoints."""
+    ckpt_dir = Path(ckpt_dir)
+    for name, want in state.get("files", {}).items():
+        p = ckpt_dir / name
+        try:
+            got = _hash(p)
+        except OSError as e:
+            problem = f"cannot be read ({e.strerror})"
+        else:
+            if got == want:
+                continue
+            problem = "does not match the hash recorded when it was written (damaged or truncated)"
+        earlier = [c.name for _, c in list_checkpoints(ckpt_dir.parent.parent) if c != ckpt_dir]
+        hint = (
+            f"move it out of {ckpt_dir.parent} to resume from the latest earlier one ({earlier[-1]})"
+            if earlier
+            else "no earlier checkpoint of this run exists"
+        )
+        raise CheckpointError(f"checkpoint {ckpt_dir}: {name} {problem}; {hint}")
 
 
 def is_checkpoint(path: str | Path) -> bool:

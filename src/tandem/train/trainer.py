@@ -72,7 +72,7 @@ from tandem.core.errors import ModelLoadError
 from tandem.core.records import Group, Segment
 from tandem.train.advantages import group_advantages, is_zero_variance
 from tandem.train.batching import LogprobOutput, MicroBatch, SequenceInput, pack, token_logprobs
-from tandem.train.checkpoint import atomic_dir, read_state, write_state
+from tandem.train.checkpoint import atomic_dir, read_state, verify_files, write_state
 from tandem.train.deterministic import DeterministicLogprobs
 from tandem.train.loss import LOSS_FUNCTIONS, Correction, clip_range
 from tandem.train.routing import TrainerRouting, routing_metrics
@@ -454,6 +454,7 @@ class Trainer:
         the trainer as it was."""
         path = Path(path)
         state = read_state(path)
+        verify_files(path, state)
         index = path / "model.safetensors.index.json"
         if index.is_file():
             files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
