@@ -30,3 +30,18 @@ def test_a_resume_refuses_changes_to_what_the_run_trained_with_naming_them(tmp_p
     kept = check_run_dir(more, tmp_path, resume=True)
     assert kept.engine.kind == "builtin"  # 'auto' resumes the engine the run recorded
     assert kept.orchestrator.steps == 500 and kept.orchestrator.mode == "sync"
+
+
+def test_a_resume_with_nothing_left_to_train_is_refused_before_starting(tmp_path):
+    """Before, it ran 0 steps, exited 0, and rewrote final_model."""
+    from tandem.orchestrator import train
+    from tandem.train.checkpoint import checkpoint_path, write_state
+
+    cfg = load_config(overrides=["engine.kind='builtin'", "orchestrator.steps=6"])
+    (tmp_path / "config.toml").write_text(dump_config(cfg))
+    ck = checkpoint_path(tmp_path, 6)
+    ck.mkdir(parents=True)
+    write_state(ck, {"version": 6})
+    with pytest.raises(TandemError, match="latest checkpoint is at step 6 and orchestrator.steps=6"):
+        train(cfg, tmp_path, resume=True)
+    assert not (tmp_path / "final_model").exists()

@@ -83,7 +83,7 @@ def init_ray(cfg: RunConfig) -> None:
 def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
     """Run RL training as configured; returns what it measured and writes the run directory."""
     from tandem.engine.choice import resolve_run_engine
-    from tandem.train.checkpoint import latest_checkpoint
+    from tandem.train.checkpoint import latest_checkpoint, read_state
 
     cfg = check_run_dir(cfg, run_dir, resume)  # a new run never mixes with an old one; a resume keeps config
     resume_dir = None
@@ -94,6 +94,13 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
                 f"--resume: no checkpoint under {run_dir / 'checkpoints'}; start without it"
             )
         resume_dir = str(ckpt)
+        done = int(read_state(ckpt)["version"])
+        if done >= cfg.orchestrator.steps:
+            raise TandemError(
+                f"--resume: the run's latest checkpoint is at step {done} and orchestrator.steps="
+                f"{cfg.orchestrator.steps}, so there is nothing left to train; pass --set "
+                f"orchestrator.steps=N with N > {done}"
+            )
     cfg, engine_reason = resolve_run_engine(cfg)  # engine.kind 'auto' -> the engine every actor runs
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(dump_config(cfg))
