@@ -858,6 +858,11 @@ def test_session_ids_that_no_route_can_name_are_400(http):
         assert "'/' is not allowed" in r.json()["error"]["message"]
         r = http.post("/v1/chat/completions", json={**body, "user": sid})
         assert r.status_code == 400 and r.json()["error"]["param"] == "user", (sid, r.text)
+    # `user` is OpenAI's end-user label: checked as a session id only when it names the session
+    r = http.post(
+        "/v1/chat/completions", json={**body, "user": "team/alice"}, headers={"X-Tandem-Session": "s1"}
+    )
+    assert r.status_code == 200, r.text
     long = "x" * 257
     for r in (
         http.post("/v1/chat/completions", json=body, headers={"X-Tandem-Session": long}),

@@ -321,7 +321,7 @@ def create_app(
             forced = forced_prefix(chat_format, req.tool_choice)
         except ForcingUnsupported as e:
             raise ApiError(400, str(e), "tool_choice") from None
-        sid = _header_session(request) or req.user
+        sid = _header_session(request) or session_id(req.user, "user")
         session = None if sid is None else await st.sessions.acquire(sid)
         plan: Plan | None = None
         owned = True  # this coroutine releases the session (a stream's producer takes it over)

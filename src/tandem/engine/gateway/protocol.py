@@ -489,7 +489,10 @@ def parse_chat_request(
     if seed is not None and not _is_int(seed):
         raise BadRequest(f"seed must be an integer, got {seed!r}", "seed")
     req.seed = seed
-    req.user = session_id(body.get("user"), "user")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise BadRequest(f"user must be a string, got {type(user).__name__}", "user")
+    req.user = user or None  # checked as a session id only when it names the session (no header)
     req.ignore_eos = _flag(body, "ignore_eos")
     req.return_token_ids = _flag(body, "return_token_ids")
     return req
