@@ -97,6 +97,18 @@ def test_crashing_and_hanging_harnesses_fail_their_rollout_only(engine) -> None:
     _, crashed = run_group(engine, ["python3", "-c", "import sys; sys.exit('no API key found')"], n=1)
     # the reason the run reports when every rollout fails so (``session_error``: the output's tail)
     assert session_error(crashed.trajectories[0]) == "harness error: exit 1: no API key found"
+    # a harness that fails after sampling a turn left a turn to train on (reward 0): not a session error
+    one_turn = (
+        "import json, os, sys, urllib.request\n"
+        "body = json.dumps({'messages': [{'role': 'user', 'content': 'hi'}], 'max_tokens': 2}).encode()\n"
+        "urllib.request.urlopen(urllib.request.Request(os.environ['OPENAI_BASE_URL'] + '/chat/completions', "
+        "body, {'Authorization': 'Bearer ' + os.environ['OPENAI_API_KEY'], "
+        "'Content-Type': 'application/json', 'X-Tandem-Session': os.environ['TANDEM_SESSION']})).read()\n"
+        "sys.exit(3)\n"
+    )
+    _, failed_late = run_group(engine, ["python3", "-c", one_turn], n=1)
+    t = failed_late.trajectories[0]
+    assert t.flags["harness_failed"] and not t.flags["no_requests"] and session_error(t) is None
     _, hung = run_group(engine, ["sleep", "1000"], wall_time_s=2.0, n=1)
     t = hung.trajectories[0]
     assert t.flags["harness_failed"] and t.reward.value == 0.0

@@ -39,19 +39,26 @@ GenerateFn = Callable[[GenerationRequest], Awaitable[Completion]]
 ENGINE_ERROR = "engine error: "  # the last message of a session an engine error ended, then the reason
 SANDBOX_ERROR = "sandbox error: "  # likewise for a sandbox that could not start
 HARNESS_ERROR = "harness error: "  # likewise for an external harness that failed (``tandem.env.external``)
-ERROR_FLAGS = ("engine_error", "sandbox_error", "harness_failed")
+NO_REQUESTS = (
+    "the harness made no requests to the gateway (does it send them to $OPENAI_BASE_URL with the session in "
+    "$TANDEM_SESSION?)"
+)
+ERROR_FLAGS = ("engine_error", "sandbox_error", "no_requests")
 
 
 def session_error(trajectory: Trajectory) -> str | None:
-    """Why the session ended before it could be graded (``engine error: ...``, ``sandbox error: ...`` or
-    ``harness error: ...``, as its last message says), or None when it ended normally."""
+    """Why the session left nothing to grade or train on: an engine or sandbox error, or an external harness
+    none of whose requests reached the gateway; the reason its last message gives (``engine error: ...``,
+    ``sandbox error: ...``, ``harness error: exit N: <output tail>``) or ``NO_REQUESTS``. None for every
+    other session, including a harness that failed or timed out after sampling turns (reward 0, trained
+    on)."""
     flagged = [f for f in ERROR_FLAGS if trajectory.flags.get(f)]
     if not flagged:
         return None
     for m in reversed(trajectory.messages):
         if isinstance(m.content, str) and m.content.startswith((ENGINE_ERROR, SANDBOX_ERROR, HARNESS_ERROR)):
             return m.content
-    return flagged[0].replace("_", " ")
+    return NO_REQUESTS if flagged == ["no_requests"] else flagged[0].replace("_", " ")
 
 
 def segment_routes(routes: Any, covered: int, length: int) -> np.ndarray | None:

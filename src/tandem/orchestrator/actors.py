@@ -109,10 +109,6 @@ class EngineActor:
         self.engine.stop()
 
 
-NO_REQUESTS = (
-    "the harness made no requests to the gateway (does it send them to $OPENAI_BASE_URL with the session "
-    "in $TANDEM_SESSION?)"
-)
 FAIL_FAST_GROUPS = 16  # groups failing in a row (none finishing) after which the trainer stops waiting
 
 
@@ -287,12 +283,9 @@ class RolloutActor:
             failed = [t for t in group.trajectories if t.flags.get("engine_error")]
             if failed:
                 raise RuntimeError(f"a session of the group failed: {session_error(failed[0])}")
-            if all(session_error(t) or t.flags.get("no_requests") for t in group.trajectories):
-                first = group.trajectories[0]
-                raise RuntimeError(
-                    "no session of the group left anything to train on: "
-                    + (session_error(first) or NO_REQUESTS)
-                )
+            reasons = [session_error(t) for t in group.trajectories]
+            if all(reasons):
+                raise RuntimeError(f"no session of the group left anything to train on: {reasons[0]}")
             await self.buffer.put.remote(group)
         except Exception as e:  # noqa: BLE001 - requeue and keep producing
             reason = f"group {task.id}: {type(e).__name__}: {e}"
