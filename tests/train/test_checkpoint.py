@@ -158,3 +158,13 @@ def test_a_damaged_checkpoint_file_is_refused_naming_it_and_the_earlier_checkpoi
     with pytest.raises(CheckpointError, match="optimizer.pt does not match"):
         fresh.load_checkpoint(ck)
     assert fresh.load_checkpoint(checkpoint_path(tmp_path, 1))["version"] == 0  # the earlier one loads
+
+
+def test_a_resume_trains_with_its_own_optimizer_settings_not_the_saved_ones(model_dir, tmp_path):
+    """Before, the restored optimizer state kept the saved lr while config.toml showed the new one."""
+    ck = Trainer(model_dir, _config()).save_checkpoint(tmp_path / "ck")
+    changed = _config().model_copy(update={"lr": 5e-3, "betas": (0.8, 0.9), "weight_decay": 0.1})
+    trainer = Trainer(model_dir, changed)
+    trainer.load_checkpoint(ck)
+    for group in trainer.optimizer.param_groups:
+        assert (group["lr"], tuple(group["betas"]), group["weight_decay"]) == (5e-3, (0.8, 0.9), 0.1)

@@ -84,9 +84,8 @@ def train(
     resume: Annotated[
         bool,
         typer.Option(
-            help="Continue from the latest checkpoint in --run-dir with the run's recorded config.toml; "
-            "--set may change its infrastructure (orchestrator, engine, weights, sandbox, eval), not what "
-            "it trains (model, train, rollout, reward, tasks)."
+            help="Continue from the latest checkpoint in --run-dir with the run's recorded config.toml "
+            "(--set changes it; every change is printed before the run starts)."
         ),
     ] = False,
     ray_address: Annotated[str | None, typer.Option(help="Join this Ray cluster.")] = None,

@@ -85,7 +85,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
     from tandem.engine.choice import resolve_run_engine
     from tandem.train.checkpoint import latest_checkpoint, read_state
 
-    cfg = check_run_dir(cfg, run_dir, resume)  # a new run never mixes with an old one; a resume keeps config
+    cfg, changed = check_run_dir(cfg, run_dir, resume)  # a new run never mixes with an old one
     resume_dir = None
     if resume:
         ckpt = latest_checkpoint(run_dir)
@@ -143,6 +143,8 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
     logger = MetricsLogger(run_dir, append=resume)
     progress = ProgressLine(o.steps, quiet=quiet)
     progress.note(f"engine: {cfg.engine.kind} ({engine_reason})")
+    if changed:
+        progress.note("resuming with settings that differ from the run's config.toml: " + "; ".join(changed))
     eval_tasks = heldout_tasks(cfg)
     eval_before = None
     if cfg.eval.before_after and not resume:

@@ -1,15 +1,15 @@
-"""What a run directory may be started in: a new run never mixes with an old one, a resume keeps its config.
+"""What a run directory may be started in: a new run never mixes with an old one; a resume says what changed.
 
 Invariants:
 - A new run (no ``--resume``) refuses a run directory that already holds a run: a checkpoint, or a
   ``metrics.jsonl`` with rows. Starting there would cut the old metrics and leave its later checkpoints
   beside the new ones, which a later ``--resume`` would load (it takes the highest version).
-- A resume keeps what the run's recorded ``config.toml`` trained with: a change in ``FIXED_ON_RESUME``
-  (model, train, rollout, reward, tasks; ``RESUMABLE`` excepted) is refused naming each field with both
-  values, since the checkpoint's weights, optimizer state and data were produced by the recorded settings
-  (an lr set on resume was silently overridden by the optimizer's saved one). Infrastructure (how long,
-  sync or async, engines, weight transport, sandbox, evaluation) may change. ``engine.kind = "auto"``
-  resumes the engine the run recorded, so every session of a run serves with the same engine.
+- A resume reports every field in which its config differs from the run's recorded ``config.toml``
+  (``field (old -> new)``), which the run prints before it starts: a change is the user's to make (more
+  steps, another mode, a new lr: the trainer applies the config's lr, betas and weight decay over the
+  optimizer state it restores), never a silent one. ``tandem train --resume`` without ``--preset`` or
+  ``--config`` starts from the recorded file, so a plain resume changes nothing. ``engine.kind = "auto"``
+  resumes the engine the run recorded.
 - Nothing is written here; ``config.toml`` is written by the caller only after these checks pass.
 """
 
@@ -20,12 +20,6 @@ from typing import Any
 
 from tandem.core.config import RunConfig, load_config
 from tandem.core.errors import TandemError
-
-FIXED_ON_RESUME = ("model.", "train.", "rollout.", "reward.", "tasks.")
-"""Config sections a ``--resume`` may not change: what the checkpoint's weights and optimizer state were
-trained on and with (the run's infrastructure, ``orchestrator``, ``engine``, ``weights``, ``sandbox`` and
-``eval``, may change), except the fields of ``RESUMABLE``."""
-RESUMABLE = ("train.threads", "train.checkpoint_every")
 
 
 def previous_run(run_dir: Path) -> str | None:
@@ -41,8 +35,9 @@ def previous_run(run_dir: Path) -> str | None:
     return None
 
 
-def check_run_dir(cfg: RunConfig, run_dir: Path, resume: bool) -> RunConfig:
-    """The config to run in ``run_dir`` (see module invariants), or ``TandemError`` saying what to do."""
+def check_run_dir(cfg: RunConfig, run_dir: Path, resume: bool) -> tuple[RunConfig, list[str]]:
+    """The config to run in ``run_dir`` and, for a resume, how it differs from the recorded one (each
+    ``field (old -> new)``, for the caller to print), or ``TandemError`` saying what to do."""
     if not resume:
         held = previous_run(run_dir)
         if held is not None:
@@ -50,26 +45,17 @@ def check_run_dir(cfg: RunConfig, run_dir: Path, resume: bool) -> RunConfig:
                 f"run dir {str(run_dir)!r} already holds a run ({held}); starting a new one there would mix "
                 "the two. Pass --resume to continue it, choose a new --run-dir, or remove that directory"
             )
-        return cfg
+        return cfg, []
     recorded = run_dir / "config.toml"
     if not recorded.is_file():
-        return cfg  # nothing to keep (the caller refuses a resume without a checkpoint)
-    saved = load_config(recorded)
+        return cfg, []  # nothing to compare (the caller refuses a resume without a checkpoint)
+    try:
+        saved = load_config(recorded)
+    except TandemError as e:  # e.g. written by a tandem with other fields: compare nothing, say so
+        return cfg, [f"the recorded {recorded} could not be read ({e}); nothing compared"]
     if cfg.engine.kind == "auto":
         cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"kind": saved.engine.kind})})
-    changed = [
-        f"{key} ({_shown(old)} -> {_shown(new)})"
-        for key, old, new in config_diff(saved, cfg)
-        if key.startswith(FIXED_ON_RESUME) and key not in RESUMABLE
-    ]
-    if changed:
-        raise TandemError(
-            f"--resume with settings that differ from the run's {recorded}: {'; '.join(changed)}. A resume "
-            f"continues the recorded run: the sections {', '.join(FIXED_ON_RESUME)} may not change (but "
-            f"{', '.join(RESUMABLE)} may); drop those --set/--preset/--config changes, or start a new run "
-            "in a new --run-dir"
-        )
-    return cfg
+    return cfg, [f"{key} ({_shown(old)} -> {_shown(new)})" for key, old, new in config_diff(saved, cfg)]
 
 
 def config_diff(a: RunConfig, b: RunConfig) -> list[tuple[str, Any, Any]]:

@@ -477,6 +477,10 @@ class Trainer:
         rj = json.loads((path / "rng.json").read_text())
         self.model.load_state_dict(sd, strict=False)
         self.optimizer.load_state_dict(optim_state)
+        for group in self.optimizer.param_groups:  # this run's settings, not the saved ones (a resume may
+            group["lr"] = self.config.lr  # change them: the run prints what differs)
+            group["betas"] = tuple(self.config.betas)
+            group["weight_decay"] = self.config.weight_decay
         torch.set_rng_state(rng["torch"])
         np_state = rj["numpy"]
         np_state["state"]["key"] = np.asarray(np_state["state"]["key"], dtype=np.uint32)
