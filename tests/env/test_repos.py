@@ -247,3 +247,4 @@ def test_a_result_line_the_grader_components_do_not_add_up_to_is_not_the_graders
     assert not _parts_add_up(parts, 23, 23)
     assert not _parts_add_up({**parts, "f2p_total": 0.0}, 21, 23)
     assert _parts_add_up({}, 5, 5)  # tasks without components are not cross-checked
+    assert _parts_add_up({"lint_passed": 1.0}, 5, 5)  # nor components without both halves

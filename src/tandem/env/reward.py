@@ -192,8 +192,8 @@ def score(
 def _parts_add_up(parts: dict[str, float], passed: int, total: int) -> bool:
     """Whether a grader's ``*_passed``/``*_total`` components (e.g. f2p and p2p) sum to its RESULT line's
     counts, as the grader's own output always does (a cross-check against forged output)."""
-    groups = {n.rsplit("_", 1)[0] for n in parts if n.endswith(("_passed", "_total"))}
-    if not groups:
+    groups = {n[: -len("_passed")] for n in parts if n.endswith("_passed") and f"{n[:-7]}_total" in parts}
+    if not groups:  # e.g. a grader reporting only lint_passed: nothing to cross-check
         return True
     got = sum(parts.get(f"{g}_passed", 0.0) for g in groups)
     of = sum(parts.get(f"{g}_total", 0.0) for g in groups)
