@@ -374,7 +374,7 @@ def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float
         return default
     if not _is_num(v) or v != v or (v <= lo if lo_open else v < lo) or v > hi:
         interval = f"{'(' if lo_open else '['}{lo}, {hi}]"
-        raise BadRequest(f"{key}={v!r} is out of range; it must be a number in {interval}", key)
+        raise BadRequest(f"{key}={_shown(v)} is out of range; it must be a number in {interval}", key)
     return float(v)
 
 
@@ -445,7 +445,7 @@ def parse_chat_request(
     if mt is not None:
         if not _is_int(mt) or not 1 <= mt < max_tokens_limit:
             raise BadRequest(
-                f"{key}={mt!r} is out of range; it must be an integer in [1, {max_tokens_limit - 1}] "
+                f"{key}={_shown(mt)} is out of range; it must be an integer in [1, {max_tokens_limit - 1}] "
                 f"(the context holds {max_tokens_limit} tokens including the prompt)",
                 key,
             )
@@ -454,7 +454,7 @@ def parse_chat_request(
     if n is None:
         n = 1
     if not _is_int(n) or not 1 <= n <= max_n:
-        raise BadRequest(f"n={n!r} is out of range; it must be an integer in [1, {max_n}]", "n")
+        raise BadRequest(f"n={_shown(n)} is out of range; it must be an integer in [1, {max_n}]", "n")
     req.n = n
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
@@ -475,7 +475,7 @@ def parse_chat_request(
     tl = body.get("top_logprobs")
     if tl is not None:
         if not _is_int(tl) or not 0 <= tl <= 20:
-            raise BadRequest(f"top_logprobs={tl!r} must be an integer in [0, 20]", "top_logprobs")
+            raise BadRequest(f"top_logprobs={_shown(tl)} must be an integer in [0, 20]", "top_logprobs")
         if tl > max_top_logprobs:
             raise BadRequest(
                 f"top_logprobs={tl} is not available: this engine reports at most {max_top_logprobs} "
