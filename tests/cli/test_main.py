@@ -116,3 +116,13 @@ def test_bench_sandbox_json_shape_and_bad_counts():
     ):
         r = tandem("bench", "sandbox", *args)
         assert r.returncode == 2 and flag in r.stderr, r.stderr
+
+
+def test_midtrain_refuses_to_write_over_a_model_or_resume_nothing(tmp_path):
+    """Before, `--out` an existing model directory replaced its files (the shipped model included)."""
+    r = tandem("midtrain", "--preset", "smoke", "--out", "models/tandem-base")
+    assert r.returncode == 2 and "is not empty" in r.stderr, r.stderr[-500:]
+    r = tandem("midtrain", "--preset", "smoke", "--resume", "--out", str(tmp_path / "new"))
+    assert r.returncode == 2 and "no checkpoint" in r.stderr and not (tmp_path / "new").exists()
+    r = tandem("midtrain", "--preset", "smoke", "--threads", "0", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2 and "--threads must be >= 1" in r.stderr

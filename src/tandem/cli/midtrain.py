@@ -242,6 +242,10 @@ def midtrain_command(
 ) -> None:
     """Mid-train a small Qwen3 model on stdlib code + expert agent transcripts into an HF model dir."""
     out_dir = out if out is not None else Path("runs") / f"midtrain-{preset}"
+    problem = _check_out(out_dir, resume, threads)
+    if problem:
+        typer.echo(f"error: {problem}", err=True)
+        raise typer.Exit(2)
     try:
         recipe = run_midtrain(
             preset, out_dir, resume=resume, steps=steps, threads=threads, stop_after=stop_after
@@ -256,6 +260,28 @@ def midtrain_command(
         )
     else:
         typer.echo(f"stopped at step {recipe['steps_done']}; continue with --resume --out {out_dir}")
+
+
+def _check_out(out: Path, resume: bool, threads: int) -> str | None:
+    """Why ``--out``/``--resume``/``--threads`` cannot work, before anything is built or written: a new run
+    never writes into a non-empty directory (it replaced the shipped model's files when pointed at it), a
+    resume needs the checkpoint a stopped run left."""
+    from tandem.train.midtrain import CHECKPOINT
+
+    if threads < 1:
+        return f"--threads must be >= 1, got {threads}"
+    if out.exists() and not out.is_dir():
+        return f"--out {str(out)!r} exists and is not a directory; pass a new or empty directory"
+    if resume:
+        if not (out / CHECKPOINT).is_file():
+            return f"--resume: no {CHECKPOINT} under {str(out)!r}; start without --resume"
+        return None
+    if out.is_dir() and any(out.iterdir()):
+        return (
+            f"--out {str(out)!r} is not empty; a new mid-training run would overwrite its files. Pass a new "
+            "or empty directory, or --resume to continue a stopped run there"
+        )
+    return None
 
 
 app = typer.Typer(help="Mid-train tandem's base model.")
