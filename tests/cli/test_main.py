@@ -126,3 +126,14 @@ def test_midtrain_refuses_to_write_over_a_model_or_resume_nothing(tmp_path):
     assert r.returncode == 2 and "no checkpoint" in r.stderr and not (tmp_path / "new").exists()
     r = tandem("midtrain", "--preset", "smoke", "--threads", "0", "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and "--threads must be >= 1" in r.stderr
+
+
+def test_bench_codec_and_sync_refuse_non_finite_sizes_rates_and_bandwidths():
+    """Before, --bandwidth-mbps nan ran unthrottled and printed NaN (not JSON); --size-gb inf overflowed."""
+    for args, needle in (
+        (("codec", "--size-gb", "inf"), "--size-gb must be a finite number"),
+        (("codec", "--train-lr", "nan"), "--train-lr must be a finite number"),
+        (("sync", "--size", "default", "--bandwidth-mbps", "nan"), "bandwidth_mbps finite and > 0"),
+    ):
+        r = tandem("bench", *args)
+        assert r.returncode == 2 and needle in r.stderr, r.stderr[-500:]

@@ -51,6 +51,7 @@ them busy, as in production, no idle engine is there to lead.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -176,9 +177,11 @@ def run_sync_bench(
     from tandem.weights import WeightStore, serve_store
     from tandem.weights.publish import WeightPublisher
 
-    if relays < 1 or engines < 1 or deltas < 1 or bandwidth_mbps <= 0 or warmup_deltas < 0:
+    finite_bandwidth = 0 < bandwidth_mbps < math.inf  # NaN fails both: it ran unthrottled before
+    if relays < 1 or engines < 1 or deltas < 1 or not finite_bandwidth or warmup_deltas < 0:
         raise ValueError(
-            "relays, engines and deltas must be >= 1, warmup_deltas >= 0 and bandwidth_mbps > 0; got "
+            "relays, engines and deltas must be >= 1, warmup_deltas >= 0 and bandwidth_mbps finite and > 0; "
+            "got "
             f"relays={relays}, engines={engines}, deltas={deltas}, warmup_deltas={warmup_deltas}, "
             f"bandwidth_mbps={bandwidth_mbps}"
         )

@@ -263,6 +263,9 @@ def bench_codec(
     """Lossless weight-delta codec vs zstd, XOR+zstd, indices+values and ZipNN on real AdamW updates."""
     from tandem.bench.codec import WORKLOADS, run_codec_bench
 
+    for option, value in (("--size-gb", size_gb), ("--train-lr", train_lr)):
+        if value is not None and not 0 < value < math.inf:
+            fail(f"{option} must be a finite number > 0, got {value}")
     chosen = tuple(workload or WORKLOADS)
     path = resolve_model_path(model)
     if "tandem_train" in chosen:
