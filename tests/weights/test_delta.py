@@ -25,7 +25,7 @@ from tandem.weights.delta import (
     prepare_delta,
     save_delta,
 )
-from tandem.weights.seam import tensors_hash
+from tandem.weights.seam import tensors_hash, tensors_hash_v1
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
@@ -152,6 +152,25 @@ def test_target_hash_catches_a_lying_delta():
     with pytest.raises(CorruptDeltaError, match="not the delta's target"):
         decode_delta(prev, delta)
     assert same(decode_delta(prev, delta, verify=False), cur)
+
+
+def test_a_delta_recorded_with_v1_hashes_still_applies_and_is_still_checked(tmp_path):
+    """A delta file written before the current hash scheme names its versions by bare-hex v1 hashes: it
+    loads, decodes and applies in place against them, and a wrong base or a lying target is still refused."""
+    prev, cur = versions()
+    old = encode_delta(prev, cur, base_hash=tensors_hash_v1(prev), target_hash=tensors_hash_v1(cur))
+    delta = load_delta(save_delta(tmp_path / "v1.tdelta", old))
+    assert (delta.base_hash, delta.target_hash) == (tensors_hash_v1(prev), tensors_hash_v1(cur))
+    assert same(decode_delta(prev, delta), cur)
+    work = {k: v.copy() for k, v in prev.items()}
+    apply_delta_inplace(work, delta)
+    assert same(work, cur)
+    other = {**prev, "norm.weight": prev["norm.weight"] * 2}
+    with pytest.raises(WrongBaseError, match="apply it to the version it was made from"):
+        decode_delta(other, delta)
+    lying = Delta(delta.base_hash, tensors_hash_v1(other), delta.blobs)
+    with pytest.raises(CorruptDeltaError, match="not the delta's target"):
+        decode_delta(prev, lying)
 
 
 def _with_header(raw: bytes, **changes: object) -> bytes:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tandem.weights.client import WeightClient
-from tandem.weights.follow import WeightFollower
+from tandem.weights.delta import encode_delta
+from tandem.weights.follow import ShadowMismatchError, WeightFollower
 from tandem.weights.hostlead import patch_of
-from tandem.weights.publish import WeightPublisher
+from tandem.weights.publish import WeightPublisher, encode_full
+from tandem.weights.seam import tensors_hash, tensors_hash_v1
 from tandem.weights.store import WeightStore
 from tandem.weights.transport import serve_store
 
@@ -87,4 +90,31 @@ def test_tensors_with_a_zero_in_their_shape_publish_and_follow(tmp_path):
             k: (v.shape, v.dtype) for k, v in v1.items()
         }
         assert np.array_equal(follower.shadow["w"], v1["w"])
+    store.close()
+
+
+def test_a_store_written_with_v1_hashes_is_still_followed_and_its_corruption_still_caught(tmp_path):
+    """Versions published before the current hash scheme record bare-hex v1 hashes (published here as the
+    publisher did then); a follower verifies each in its own scheme, also across a v1 -> current step, and
+    still refuses a v1 version whose weights do not match."""
+    versions = _versions()
+    store = WeightStore.open(tmp_path / "store", create=True, snapshot_every=10)
+    v1 = tensors_hash_v1
+    store.publish(0, None, "full", v1(versions[0]), encode_full(versions[0]), pack=True)
+    step = encode_delta(versions[0], versions[1], base_hash=v1(versions[0]), target_hash=v1(versions[1]))
+    store.publish(1, 0, "delta", v1(versions[1]), step.blobs, pack=True)
+    bad = encode_delta(versions[1], versions[2])
+    store.publish(2, 1, "delta", v1(versions[1]), bad.blobs, pack=True)  # records another version's hash
+    WeightPublisher(store).publish(3, versions[2])  # the current publisher continues the store
+    assert store.manifest(3).weights_hash == tensors_hash(versions[2]) != v1(versions[2])
+    with serve_store(store) as server, WeightClient(server.url) as client:
+        follower = WeightFollower(client)
+        follower.advance(0)
+        assert follower.advance(1).full is False
+        assert all(np.array_equal(follower.shadow[k], versions[1][k]) for k in versions[1])
+        with pytest.raises(ShadowMismatchError, match="version 2"):
+            follower.advance(2)
+        assert follower.shadow is None
+        follower.advance(3)
+        assert all(np.array_equal(follower.shadow[k], versions[2][k]) for k in versions[2])
     store.close()

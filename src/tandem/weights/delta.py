@@ -3,7 +3,8 @@ the single-file format (``save_delta`` / ``load_delta``).
 
 Invariants:
 - A ``Delta`` names the version it applies to and the version it produces by their ``tensors_hash``
-  (``base_hash``, ``target_hash``) and holds one checksummed blob per tensor (``tandem.weights.codec``).
+  (``base_hash``, ``target_hash``; each checked in its own scheme, ``tandem.weights.seam``, so deltas
+  written with v1 hashes still apply) and holds one checksummed blob per tensor (``tandem.weights.codec``).
 - ``prev`` and ``cur`` must hold the same tensor names, each with one dtype and shape on both sides; anything
   else is a ``ValueError`` naming the tensors.
 - With ``verify=True`` (the default) applying refuses a base whose hash is not ``base_hash``
@@ -38,7 +39,7 @@ from tandem.weights.codec import EscapeBudget, TensorEncoder, run_tasks
 from tandem.weights.decode_kernels import scatter_bits
 from tandem.weights.decoder import Patch, TensorDecoder
 from tandem.weights.outpath import atomic_output
-from tandem.weights.seam import tensors_hash
+from tandem.weights.seam import short_hash, tensors_hash, tensors_hash_as
 
 MAGIC = b"TNDDELT1"
 
@@ -125,20 +126,20 @@ def encode_delta(
 def _check_base(tensors: dict[str, np.ndarray], delta: Delta, verify: bool) -> None:
     check_names(tensors, delta.blobs, what="the delta")
     if verify:
-        actual = tensors_hash(tensors)
+        actual = tensors_hash_as(delta.base_hash, tensors)
         if actual != delta.base_hash:
             raise WrongBaseError(
-                f"this delta applies to base {delta.base_hash[:12]}, but the given weights hash to "
-                f"{actual[:12]}; apply it to the version it was made from"
+                f"this delta applies to base {short_hash(delta.base_hash)}, but the given weights hash to "
+                f"{short_hash(actual)}; apply it to the version it was made from"
             )
 
 
 def _check_target(tensors: dict[str, np.ndarray], delta: Delta) -> None:
-    actual = tensors_hash(tensors)
+    actual = tensors_hash_as(delta.target_hash, tensors)
     if actual != delta.target_hash:
         raise CorruptDeltaError(
-            f"decoded weights hash to {actual[:12]}, not the delta's target {delta.target_hash[:12]}; "
-            f"refetch the delta or a full snapshot"
+            f"decoded weights hash to {short_hash(actual)}, not the delta's target "
+            f"{short_hash(delta.target_hash)}; refetch the delta or a full snapshot"
         )
 
 

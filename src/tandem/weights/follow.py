@@ -8,8 +8,9 @@ The shadow is the follower's own, or, for the engines of a host share, the host'
 (``tandem.weights.hostshadow``), which ``EngineWeightSync`` hands it only while it holds the share's lock.
 
 Invariants:
-- The shadow is verified before it is reported: after every plan step ``tensors_hash(shadow)`` must equal
-  the version's recorded ``weights_hash``. A caller therefore only ever applies verified weights.
+- The shadow is verified before it is reported: after every plan step the shadow's hash must equal the
+  version's recorded ``weights_hash``, computed in that hash's scheme (``tandem.weights.seam``: versions
+  published with v1 hashes still verify). A caller therefore only ever applies verified weights.
 - Any failure on the way (a corrupt or missing blob, a delta that does not decode, a hash mismatch, a
   vanished version) drops the shadow and recovers from the nearest full snapshot of the target; the event
   is counted in ``stats["recoveries"]``. If that fails too the error propagates and the shadow is empty, so
@@ -34,7 +35,7 @@ from tandem.weights.client import WeightClient
 from tandem.weights.delta import Delta, prepare_delta
 from tandem.weights.manifest import FULL, PlanStep
 from tandem.weights.publish import decode_full
-from tandem.weights.seam import tensors_hash
+from tandem.weights.seam import short_hash, tensors_hash_as
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +141,9 @@ class WeightFollower:
 
     @staticmethod
     def _verify(shadow: dict[str, np.ndarray], step: PlanStep) -> None:
-        actual = tensors_hash(shadow)
+        actual = tensors_hash_as(step.weights_hash, shadow)
         if actual != step.weights_hash:
             raise ShadowMismatchError(
-                f"version {step.version}: decoded weights hash to {actual[:12]}, the store recorded "
-                f"{step.weights_hash[:12]}"
+                f"version {step.version}: decoded weights hash to {short_hash(actual)}, the store recorded "
+                f"{short_hash(step.weights_hash)}"
             )
