@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from tandem.cli.weights import weights_app
-from tandem.weights.delta import load_delta
+from tandem.weights.delta import encode_delta, load_delta, save_delta
+from tandem.weights.seam import HASH_PREFIX, tensors_hash_v1
 from tandem.weights.stfile import load_weights, write_safetensors
 
 runner = CliRunner()
@@ -202,3 +203,65 @@ def test_diff_refuses_to_write_over_its_inputs(tmp_path):
     )
     assert "is DELTA" in error_of(invoke("apply", old, shard, "-o", shard))
     assert all(p.read_bytes() == b for p, b in before.items())
+
+
+def test_a_delta_written_with_v1_hashes_still_applies(tmp_path):
+    """`tandem weights diff` used to record bare-hex v1 hashes (built here as it wrote them): `apply` still
+    verifies against them and refuses another base; new deltas carry the current scheme."""
+    make_versions(tmp_path)
+    old, new = load_weights(tmp_path / "old.safetensors"), load_weights(tmp_path / "new.safetensors")
+    legacy = encode_delta(
+        old.tensors,
+        new.tensors,
+        base_hash=tensors_hash_v1(old.tensors),
+        target_hash=tensors_hash_v1(new.tensors),
+        meta={"safetensors_dtypes": new.tags},
+    )
+    save_delta(tmp_path / "v1.tdelta", legacy)
+    out = tmp_path / "out.safetensors"
+    r = invoke("apply", tmp_path / "old.safetensors", tmp_path / "v1.tdelta", "-o", out, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["target_hash"] == tensors_hash_v1(new.tensors)
+    back = load_weights(out)
+    assert all(back.tensors[k].tobytes() == t.tobytes() for k, t in new.tensors.items())
+    e = error_of(invoke("apply", tmp_path / "new.safetensors", tmp_path / "v1.tdelta", "-o", tmp_path / "x"))
+    assert "applies to base" in e and not (tmp_path / "x").exists()
+    assert invoke("diff", tmp_path / "old.safetensors", tmp_path / "new.safetensors", "-o",
+                  tmp_path / "v2.tdelta").exit_code == 0  # fmt: skip
+    assert load_delta(tmp_path / "v2.tdelta").target_hash.startswith(HASH_PREFIX)
+    r = invoke("inspect", tmp_path / "new.safetensors", "--json")
+    assert json.loads(r.output)["hash"].startswith(HASH_PREFIX)
+
+
+def test_apply_writes_the_new_versions_safetensors_metadata(tmp_path):
+    """OUT is NEW byte for byte: the delta records NEW's ``__metadata__`` per file (its key order too) and
+    `apply` writes it instead of OLD's; a delta without it (older ones) keeps OLD's."""
+    old, new = make_versions(tmp_path)
+    save_file(old, tmp_path / "old.safetensors", metadata={"step": "1", "format": "pt"})
+    save_file(new, tmp_path / "new.safetensors", metadata={"format": "pt", "step": "2", "run": "x"})
+    save_file(new, tmp_path / "new_dir" / "model.safetensors", metadata={"format": "pt", "step": "2"})
+    delta = tmp_path / "d.tdelta"
+    for a, b, out, written, target in (
+        ("old.safetensors", "new.safetensors", "out.safetensors", "", ""),
+        ("old_dir", "new_dir", "out", "model.safetensors", "model.safetensors"),
+    ):
+        r = invoke("diff", tmp_path / a, tmp_path / b, "-o", delta)
+        assert r.exit_code == 0, r.output
+        r = invoke("apply", tmp_path / a, delta, "-o", tmp_path / out)
+        assert r.exit_code == 0, r.output
+        assert (tmp_path / out / written).read_bytes() == (tmp_path / b / target).read_bytes()
+        delta.unlink()
+    r = invoke("diff", tmp_path / "old.safetensors", tmp_path / "new.safetensors", "-o", delta)
+    assert r.exit_code == 0, r.output
+    legacy = load_delta(delta)
+    recorded = legacy.meta.pop("safetensors_metadata")
+    assert recorded == {"new.safetensors": {"format": "pt", "step": "2", "run": "x"}}
+    save_delta(tmp_path / "legacy.tdelta", legacy)
+    r = invoke("apply", tmp_path / "old.safetensors", tmp_path / "legacy.tdelta", "-o", tmp_path / "o2")
+    assert r.exit_code == 0, r.output
+    assert _header(tmp_path / "o2")["__metadata__"] == {"step": "1", "format": "pt"}
+    legacy.meta["safetensors_metadata"] = {"new.safetensors": ["not", "metadata"]}
+    save_delta(tmp_path / "bad.tdelta", legacy)
+    r = invoke("apply", tmp_path / "old.safetensors", tmp_path / "bad.tdelta", "-o", tmp_path / "o3")
+    e = error_of(r)
+    assert "corrupt meta 'safetensors_metadata'" in e and not (tmp_path / "o3").exists()

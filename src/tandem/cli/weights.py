@@ -4,10 +4,13 @@ Invariants: ``apply`` writes its output only after the decoded tensors hash to t
 reads the written weights back and checks the hash again, so a successful exit means OUT is bit-exact.
 ``diff`` refuses OLD and NEW whose safetensors dtype tags differ for a tensor (BF16 vs U16, or F8_E4M3 vs
 F8_E5M2 vs U8, read alike by numpy) and records NEW's tags in the delta's meta (``safetensors_dtypes``);
-``apply`` refuses an OLD whose tags are not those, so a delta never changes a tag. ``-o`` is written
-atomically and must not name an input, an existing non-regular file (symlink, device, FIFO, directory) or,
-for a model directory, an existing non-empty directory (``tandem.weights.outpath``); all of this is checked
-before any work is done.
+``apply`` refuses an OLD whose tags are not those, so a delta never changes a tag. ``diff`` also records
+NEW's safetensors ``__metadata__`` per file (``safetensors_metadata``) and ``apply`` writes it in place of
+OLD's (when the file layouts correspond; deltas without it keep OLD's), so OUT equals a NEW written in OLD's
+layout byte for byte. Hashes are checked in the scheme they were recorded in (``tandem.weights.seam``), so
+deltas written with v1 hashes still apply. ``-o`` is written atomically and must not name an input, an
+existing non-regular file (symlink, device, FIFO, directory) or, for a model directory, an existing
+non-empty directory (``tandem.weights.outpath``); all of this is checked before any work is done.
 Bad input (missing path, not safetensors, different tensor sets, dtypes or shapes, wrong base, corrupt delta)
 prints one ``error:`` line naming the value and exits with status 2, without a traceback.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -36,7 +40,7 @@ from tandem.weights.delta import (
     save_delta,
 )
 from tandem.weights.outpath import OutputPathError, check_not_input, check_output_dir, check_output_file
-from tandem.weights.seam import tensors_hash
+from tandem.weights.seam import tensors_hash, tensors_hash_as
 from tandem.weights.stfile import ST_DTYPES, WeightSet, dtype_mismatch, load_weights, save_weights
 
 weights_app = typer.Typer(
@@ -48,6 +52,7 @@ weights_app = typer.Typer(
 ThreadsOpt = Annotated[int, typer.Option(help="Threads for encoding/decoding.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 DTYPES_META = "safetensors_dtypes"  # delta meta: the target's safetensors dtype tag per tensor
+METADATA_META = "safetensors_metadata"  # delta meta: the target's ``__metadata__`` per safetensors file
 
 
 def _fail(message: str) -> None:
@@ -111,7 +116,8 @@ def diff(
         mismatch = dtype_mismatch(a.tags, b.tags, "OLD", "NEW")
         if mismatch:
             raise ValueError(f"{mismatch}; both need the same safetensors dtypes")
-        delta = encode_delta(a.tensors, b.tensors, threads=threads, meta={DTYPES_META: b.tags})
+        meta = {DTYPES_META: b.tags, METADATA_META: {f: b.metadata.get(f) for f in b.files}}
+        delta = encode_delta(a.tensors, b.tensors, threads=threads, meta=meta)
     except ValueError as e:
         _fail(f"cannot diff {str(old)!r} and {str(new)!r}: {e}")
     seconds = time.perf_counter() - t0
@@ -139,6 +145,7 @@ def apply(
     try:
         delta = load_delta(delta_path)
         target_tags = _recorded_dtypes(delta, delta_path)
+        like = _with_target_metadata(base, delta, delta_path)
     except (FileNotFoundError, ValueError, OSError) as e:
         _fail(f"DELTA: {e}")
     if target_tags is not None:  # a delta never changes a tensor's dtype tag: OLD must have the same ones
@@ -153,10 +160,10 @@ def apply(
         _fail(f"cannot apply {str(delta_path)!r} to {str(old)!r}: {e}")
     seconds = time.perf_counter() - t0
     try:
-        save_weights(output, base, tensors)
+        save_weights(output, like, tensors)
     except (OSError, ValueError) as e:
         _fail(f"cannot write {str(output)!r}: {e}")
-    if tensors_hash(_load(output, "written output").tensors) != delta.target_hash:
+    if tensors_hash_as(delta.target_hash, _load(output, "written output").tensors) != delta.target_hash:
         _fail(f"{str(output)!r} does not read back to the target hash; the disk may be failing")
     out = {"output": str(output), "target_hash": delta.target_hash, "verified": True}
     _emit({**out, "decode_s": round(seconds, 3)}, json_)
@@ -199,6 +206,27 @@ def _recorded_dtypes(delta: Delta, path: Path) -> dict[str, str] | None:
             f"each of its tensors); refetch it"
         )
     return tags
+
+
+def _with_target_metadata(base: WeightSet, delta: Delta, path: Path) -> WeightSet:
+    """``base`` with the ``__metadata__`` ``diff`` recorded for the delta's target, so OUT gets NEW's, not
+    OLD's: for a single file the one recorded, for a directory per shard when NEW had the same shard names.
+    Otherwise (older deltas recorded none, or the layouts differ) OLD's metadata is kept."""
+    recorded = delta.meta.get(METADATA_META)
+    if recorded is None:
+        return base
+    if not (isinstance(recorded, dict) and all(
+            m is None or (isinstance(m, dict) and all(isinstance(v, str) for v in m.values()))
+            for m in recorded.values())):  # fmt: skip
+        raise CorruptDeltaError(
+            f"delta file {str(path)!r} has corrupt meta {METADATA_META!r} (not an object of safetensors "
+            f"metadata per file); refetch it"
+        )
+    if not base.is_dir and len(base.files) == 1 and len(recorded) == 1:
+        return replace(base, metadata={next(iter(base.files)): next(iter(recorded.values()))})
+    if base.is_dir and set(recorded) == set(base.files):
+        return replace(base, metadata=dict(recorded))
+    return base
 
 
 def _is_delta(path: Path) -> bool:
