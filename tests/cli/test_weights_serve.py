@@ -106,3 +106,33 @@ def test_unusable_cache_dir_and_infinite_bandwidth_exit_2_before_serving(tmp_pat
             result = runner.invoke(app, args)
             assert result.exit_code == 2, (args, result.output)
             assert "error:" in result.output and needle in result.output, (args, result.output)
+
+
+def test_ctrl_c_sent_the_moment_the_url_appears_still_stops_the_server(tmp_path):
+    """The signal handlers are installed before the URL line is printed (a parent that signals as soon as it
+    reads the URL used to hit the gap before them, where the inherited SIG_IGN dropped the signal)."""
+    store = WeightStore.open(tmp_path / "store", create=True)
+    store.publish(0, None, "full", "h0", {"w": b"weights"})
+    store.close()
+    code = "import typer; from tandem.cli.weights_serve import serve; typer.run(serve)"
+    args = [sys.executable, "-c", code, "--store", str(tmp_path / "store"), "--port", "0"]
+    for _ in range(3):
+        proc = subprocess.Popen(
+            args,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # noqa: PLW1509 - test only
+        )
+        try:
+            line = proc.stdout.readline()
+            assert "latest version 0" in line, line + proc.stderr.read()
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0 and "stopping" in out, (proc.returncode, out[-500:], err[-2000:])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

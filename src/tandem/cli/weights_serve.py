@@ -44,15 +44,19 @@ def _bandwidth(option: str, mbps: float | None) -> float | None:
     return mbps_to_bytes_per_s(mbps)
 
 
-def _block_until_interrupted(server: Any) -> None:
-    """Serve until SIGINT or SIGTERM, then close the server. Both are handled explicitly: a process started
-    in the background by a non-interactive shell inherits SIGINT ignored, and Ctrl-C must still stop it."""
+def _block_until_interrupted(server: Any, banner: str) -> None:
+    """Print ``banner`` (the line naming the URL), then serve until SIGINT or SIGTERM and close the server.
+    Both are handled explicitly: a process started in the background by a non-interactive shell inherits
+    SIGINT ignored, and Ctrl-C must still stop it. The handlers are installed before the banner is printed,
+    so a signal sent as soon as the URL appears is never lost."""
 
     def _on_signal(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
     previous = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        typer.echo(banner)
+        freeze_heap()
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -94,9 +98,8 @@ def serve(
         _fail(f"cannot listen on {host}:{port}: {e}")
         return
     latest = opened.latest()
-    typer.echo(f"serving weight store {store} (latest version {latest}) at {server.url}", err=False)
-    freeze_heap()
-    _block_until_interrupted(server)
+    banner = f"serving weight store {store} (latest version {latest}) at {server.url}"
+    _block_until_interrupted(server, banner)
 
 
 def relay(
@@ -139,6 +142,5 @@ def relay(
     except WeightStoreError as e:
         latest = None
         typer.echo(f"warning: upstream not reachable yet ({e}); will retry on each request", err=True)
-    typer.echo(f"relaying {', '.join(upstream)} (latest version {latest}) at {server.url}")
-    freeze_heap()
-    _block_until_interrupted(server)
+    banner = f"relaying {', '.join(upstream)} (latest version {latest}) at {server.url}"
+    _block_until_interrupted(server, banner)
