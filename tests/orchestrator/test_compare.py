@@ -154,3 +154,72 @@ def test_bad_inputs_exit_2_and_write_nothing(tmp_path: Path) -> None:
     _fails([str(good), str(ok), "--out", str(out), "--label", "x"], "1 --label for 2 run directories")
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".cmp.")]
+
+
+def _metrics_run(run_dir: Path, metrics: bytes | str, files: dict[str, bytes | str] | None = None) -> Path:
+    """A run directory with the given raw ``metrics.jsonl`` and other files (name -> raw content)."""
+    run_dir.mkdir()
+    for name, content in {"metrics.jsonl": metrics, **(files or {})}.items():
+        (run_dir / name).write_bytes(content.encode() if isinstance(content, str) else content)
+    return run_dir
+
+
+def test_unreadable_or_malformed_files_are_named_errors(tmp_path: Path) -> None:
+    """Before, each of these was a traceback (UnicodeDecodeError, ValueError from the 4300-digit limit,
+    OverflowError from float(), RecursionError, TypeError from a TOML date in compare.json)."""
+    good = _write_run(tmp_path / "good", "off")
+    out = tmp_path / "cmp"
+    ok_row = '{"step": 1, "reward_mean": 0.5}\n'
+    cases: list[tuple[str, bytes | str, dict[str, bytes | str], tuple[str, ...]]] = [
+        ("latin1", ok_row.encode() + b'{"step": 2, "note": "caf\xe9"}\n', {}, ("line 2", "UTF-8")),
+        ("digits", '{"step": 1, "reward_mean": ' + "9" * 5000 + "}\n", {}, ("line 1", "digits")),
+        ("bigstep", '{"step": ' + "9" * 400 + "}\n", {}, ("line 1", "'step'")),
+        ("bigvalue", '{"step": 1, "reward_mean": ' + "9" * 400 + "}\n", {}, ("line 1", "'reward_mean'")),
+        ("deep", "[" * 100_000 + "\n", {}, ("line 1", "nested")),
+        ("tomlbytes", ok_row, {"config.toml": b"x = '\xff'\n"}, ("config.toml", "UTF-8")),
+        ("tomldigits", ok_row, {"config.toml": "x = " + "9" * 5000 + "\n"}, ("config.toml", "digits")),
+        ("evalbytes", ok_row, {"eval_before.json": b"\xff\xfe"}, ("eval_before.json", "UTF-8")),
+        ("evalshape", ok_row, {"eval_after.json": '{"pass@1": "high"}'}, ("eval_after.json", "pass@1")),
+        ("evalrange", ok_row, {"eval_after.json": '{"pass@1": 1e999}'}, ("eval_after.json", "pass@1")),
+        ("huge", ok_row + '{"step": 2, "reward_mean": 1.7e308}\n{"step": 3, "reward_mean": -1.7e308}\n', {},
+         ("reward_mean", "cannot be plotted")),
+    ]  # fmt: skip
+    for name, metrics, files, needles in cases:
+        bad = _metrics_run(tmp_path / name, metrics, files)
+        where = bad / next(iter(files), "metrics.jsonl")
+        _fails([str(good), str(bad), "--out", str(out)], str(where), *needles)
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".cmp.")]
+
+
+def test_odd_but_valid_inputs_compare(tmp_path: Path) -> None:
+    """A TOML date in config.toml (compare.json could not be written) and a run directory whose name is
+    matplotlib math (`$\\foo$`: the legend failed to render) are fine; booleans are not numbers."""
+    good = _write_run(tmp_path / "good", "off")
+    odd = _metrics_run(
+        tmp_path / "$\\foo$",
+        '{"step": 1, "reward_mean": true}\n{"step": 2, "reward_mean": 0.5}\n',
+        {"config.toml": "[train]\nstarted = 2024-05-01\n"},
+    )
+    out = tmp_path / "cmp"
+    res = runner.invoke(app, ["compare", str(good), str(odd), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads((out / "compare.json").read_text())
+    assert data["config_differences"]["train.started"][1] == "2024-05-01"
+    assert data["runs"]["$\\foo$"]["reward_mean_first_quarter"] is None  # step 1 logged `true`: no reward
+
+
+def test_unwritable_out_is_a_named_error_and_writes_nothing(tmp_path: Path) -> None:
+    """Before: FileNotFoundError / PermissionError / FileExistsError tracebacks, and with a directory in the
+    way of compare.md, compare.json and the plots were moved in before the IsADirectoryError."""
+    a = _write_run(tmp_path / "a", "off")
+    b = _write_run(tmp_path / "b", "r3")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for out in ("/proc/tandem-no-such/cmp", "/sys/tandem-no-such", str(a_file / "cmp")):
+        _fails([str(a), str(b), "--out", out], f"--out {out}", "writable directory")
+    blocked = tmp_path / "blocked"
+    (blocked / "compare.md").mkdir(parents=True)
+    _fails([str(a), str(b), "--out", str(blocked)], str(blocked / "compare.md"), "is a directory")
+    assert sorted(p.name for p in blocked.iterdir()) == ["compare.md"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

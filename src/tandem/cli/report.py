@@ -1,8 +1,9 @@
 """`tandem report compare`: finished runs side by side (``tandem.orchestrator.compare``).
 
-Invariant: bad input (fewer than 2 runs, a directory without ``metrics.jsonl``, an empty or malformed
-``metrics.jsonl``, a wrong number of ``--label``) prints one ``error:`` line naming the file (and line) and
-what to do, exits with status 2, and writes nothing.
+Invariant: bad input (fewer than 2 runs, a directory without ``metrics.jsonl``, an unreadable, non-UTF-8,
+malformed or out-of-range ``metrics.jsonl``, ``config.toml`` or eval JSON, a wrong number of ``--label``, an
+``--out`` that cannot be written) prints one ``error:`` line naming the file (and line) or option and what to
+do, exits with status 2, and writes nothing.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ Invariants:
 - every input is read and checked before anything is written: bad input raises ``CompareError`` naming the
   file (and line) and what to do, and leaves ``--out`` untouched. Outputs are rendered in a temporary
   directory next to ``--out`` and moved in afterwards, ``compare.md`` last, so it never names a missing PNG.
+  Reading is ``tandem.orchestrator.compare_inputs``. An ``--out`` that cannot be written (under ``/proc``, a
+  file, a read-only place), or a metric matplotlib cannot plot, is a ``CompareError`` too, raised before
+  anything is moved into ``--out``; directories made for ``--out`` are removed again.
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ import math
 import os
 import shutil
 import tempfile
-import tomllib
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tandem.core.errors import TandemError
+from tandem.orchestrator.compare_inputs import CompareError, RunData, is_number, load_run
 from tandem.orchestrator.report import _plot
+
+__all__ = ["CompareError", "RunData", "compare_runs", "load_run"]
 
 # (metric key in metrics.jsonl, panel title, y label); panels whose key no run logged are left out.
 PANELS: tuple[tuple[str, str, str], ...] = (
@@ -39,87 +44,6 @@ PANELS: tuple[tuple[str, str, str], ...] = (
 )
 # Config fields that name a run when no --label is given, in order of preference.
 LABEL_FIELDS: tuple[tuple[str, str], ...] = (("train.router_replay", "off"), ("orchestrator.mode", "async"))
-
-
-class CompareError(TandemError):
-    """A run directory or the options of ``tandem report compare`` cannot be used."""
-
-
-@dataclass(frozen=True)
-class RunData:
-    """One run directory as written by ``tandem train``."""
-
-    path: Path
-    rows: list[dict[str, Any]]
-    config: dict[str, Any]
-    eval_before: dict[str, Any] | None
-    eval_after: dict[str, Any] | None
-
-
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """Step rows of one ``metrics.jsonl``, sorted by step, the last row of a repeated step kept."""
-    if not path.is_file():
-        raise CompareError(
-            f"{path} does not exist; pass run directories written by `tandem train` (each has metrics.jsonl)"
-        )
-    by_step: dict[int, dict[str, Any]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise CompareError(
-                f"{path}, line {n}: not valid JSON ({e.msg}); delete or repair that line (a run killed while "
-                "writing can leave a cut-off last line)"
-            ) from e
-        step = row.get("step") if isinstance(row, dict) else None
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise CompareError(
-                f"{path}, line {n}: expected a JSON object with an integer 'step', got {line[:80]!r}; "
-                "delete or repair that line"
-            )
-        by_step[step] = row
-    if not by_step:
-        raise CompareError(
-            f"{path} has no step rows (the run finished no trainer step); compare runs that trained at least "
-            "one step"
-        )
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def _read_json(path: Path) -> dict[str, Any] | None:
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CompareError(f"{path}, line {e.lineno}: not valid JSON ({e.msg}); repair or delete it") from e
-    if not isinstance(data, dict):
-        raise CompareError(f"{path}: expected a JSON object; repair or delete it")
-    return data
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise CompareError(f"{path}: not valid TOML ({e}); repair or delete it") from e
-
-
-def load_run(run_dir: Path) -> RunData:
-    """Read one run directory; raises ``CompareError`` naming the file for anything unusable."""
-    if not run_dir.is_dir():
-        raise CompareError(f"{run_dir} is not a directory; pass run directories written by `tandem train`")
-    return RunData(
-        path=run_dir,
-        rows=read_rows(run_dir / "metrics.jsonl"),
-        config=_read_config(run_dir / "config.toml"),
-        eval_before=_read_json(run_dir / "eval_before.json"),
-        eval_after=_read_json(run_dir / "eval_after.json"),
-    )
 
 
 def _flatten(config: dict[str, Any]) -> dict[str, Any]:
@@ -137,7 +61,9 @@ def config_differences(runs: list[RunData]) -> dict[str, list[Any]]:
     """Config fields whose values are not all equal, with each run's value (None where a run lacks it)."""
     flat = [_flatten(r.config) for r in runs]
     keys = sorted(set().union(*flat))
-    return {k: [f.get(k) for f in flat] for k in keys if len({json.dumps(f.get(k)) for f in flat}) > 1}
+    # default=str: TOML dates and times are not JSON values; their text tells them apart
+    differ = [k for k in keys if len({json.dumps(f.get(k), default=str) for f in flat}) > 1]
+    return {k: [f.get(k) for f in flat] for k in differ}
 
 
 def default_labels(runs: list[RunData]) -> list[str]:
@@ -162,12 +88,12 @@ def default_labels(runs: list[RunData]) -> list[str]:
 
 
 def _mean(values: list[float]) -> float | None:
-    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    finite = [v for v in values if is_number(v) and math.isfinite(v)]
     return sum(finite) / len(finite) if finite else None
 
 
 def _column(rows: list[dict[str, Any]], key: str) -> list[float]:
-    return [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return [float(r[key]) for r in rows if is_number(r.get(key))]
 
 
 def summarize(run: RunData) -> dict[str, Any]:
@@ -230,6 +156,26 @@ def _grid(path: Path, panels: list[tuple[str, Series]]) -> None:
     plt.close(fig)
 
 
+def _literal(label: str) -> str:
+    """``label`` as matplotlib shows it verbatim (``$`` starts math text, which can fail to parse)."""
+    return label.replace("$", r"\$")
+
+
+def _plotted(key: str, runs: list[RunData], draw: Callable[..., None], *args: Any) -> None:
+    """``draw(*args)``; a value matplotlib cannot place (e.g. 1.7e308 and -1.7e308 in one panel) is a
+    ``CompareError`` naming the metric and the files it came from."""
+    try:
+        with warnings.catch_warnings():  # numpy's overflow warnings: the error below says it once, clearly
+            warnings.simplefilter("ignore", RuntimeWarning)
+            draw(*args)
+    except (ValueError, OverflowError) as e:
+        files = ", ".join(str(r.path / "metrics.jsonl") for r in runs)
+        raise CompareError(
+            f"metric {key!r} cannot be plotted ({e}); check its values in {files} (delete or repair rows "
+            "with out-of-range numbers)"
+        ) from e
+
+
 def _plot_names() -> set[str]:
     """Every PNG name a comparison can write (``overview.png`` and one per metric of ``PANELS``)."""
     return {"overview.png", *(f"{_slug(key)}.png" for key, _, _ in PANELS)}
@@ -243,7 +189,7 @@ def _plots(runs: list[RunData], labels: list[str], out: Path) -> list[str]:
     for key, title, ylabel in PANELS:
         series = {
             lab: (
-                [float(r["step"]) for r in run.rows if isinstance(r.get(key), (int, float))],
+                [float(r["step"]) for r in run.rows if is_number(r.get(key))],
                 _column(run.rows, key),
             )
             for lab, run in zip(labels, runs, strict=True)
@@ -252,14 +198,15 @@ def _plots(runs: list[RunData], labels: list[str], out: Path) -> list[str]:
         if not present:
             continue
         png = f"{_slug(key)}.png"
-        _plot(out / png, title, present, ylabel)
-        panels.append((title, present))
+        legend = {_literal(lab): s for lab, s in present.items()}
+        _plotted(key, runs, _plot, out / png, title, legend, ylabel)
+        panels.append((title, legend))
         missing = [lab for lab in labels if lab not in present]
         note = f" (not logged by: {', '.join(missing)})" if missing else ""
         sections += [f"## {title} (`{key}`){note}", "", f"![{title}]({png})", ""]
     if not panels:
         return []
-    _grid(out / "overview.png", panels)
+    _plotted("overview", runs, _grid, out / "overview.png", panels)
     return ["## All metrics", "", "![all metrics, one curve per run](overview.png)", "", *sections]
 
 
@@ -305,7 +252,11 @@ def _render(runs: list[RunData], labels: list[str], out: Path) -> None:
     summaries = [summarize(r) for r in runs]
     diffs = config_differences(runs)
     (out / "compare.json").write_text(
-        json.dumps({"runs": dict(zip(labels, summaries, strict=True)), "config_differences": diffs}, indent=2)
+        json.dumps(
+            {"runs": dict(zip(labels, summaries, strict=True)), "config_differences": diffs},
+            indent=2,
+            default=str,  # TOML dates and times
+        )
     )
     lines = [f"# tandem run comparison ({len(runs)} runs)", ""]
     lines += _table(labels, summaries) + _differences(labels, diffs) + _plots(runs, labels, out)
@@ -325,22 +276,71 @@ def compare_runs(run_dirs: list[Path], out: Path, labels: list[str] | None = Non
         )
     if labels and len(set(labels)) < len(labels):
         raise CompareError(f"--label values must be distinct, got {labels}")
-    if out.exists() and not out.is_dir():
-        raise CompareError(f"--out {out} exists and is not a directory; pass a directory")
+    _check_out(out)
     runs = [load_run(p) for p in run_dirs]
     names = list(labels) if labels else default_labels(runs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    made: list[Path] = []
     try:
-        _render(runs, names, tmp)
-        out.mkdir(exist_ok=True)
-        written = {f.name for f in tmp.iterdir()}
-        for f in sorted(tmp.iterdir(), key=lambda p: p.name == "compare.md"):  # compare.md last
-            os.replace(f, out / f.name)
-        # Plots an earlier comparison into this directory wrote and this one did not (a metric no run of this
-        # comparison logged): stale, so removed. Files of other names are not ours and are left alone.
-        for name in _plot_names() - written:
-            (out / name).unlink(missing_ok=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _make_dirs(out.parent, made)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            _render(runs, names, tmp)
+            if not out.is_dir():
+                _make_dirs(out, made)
+            _move_in(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        _remove_dirs(made)
+        where = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
+        raise CompareError(f"--out {out}: cannot write there ({where}); pass a writable directory") from e
+    except CompareError:
+        _remove_dirs(made)
+        raise
     return out / "compare.md"
+
+
+def _check_out(out: Path) -> None:
+    """``--out`` is (or can become) a directory and no file the comparison writes there would replace a
+    directory (a failed move would leave some outputs moved in and others not)."""
+    if out.exists() and not out.is_dir():
+        raise CompareError(f"--out {out} exists and is not a directory; pass a directory")
+    for name in sorted({"compare.md", "compare.json"} | _plot_names()):
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            raise CompareError(
+                f"{path} is a directory and compare writes a file of that name; move it away or pass "
+                "another --out"
+            )
+
+
+def _make_dirs(path: Path, made: list[Path]) -> None:
+    """Create ``path`` and its missing parents, appending each directory created to ``made`` (so a failure
+    later can remove them)."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        d.mkdir()
+        made.append(d)
+
+
+def _remove_dirs(made: list[Path]) -> None:
+    """Remove the directories ``_make_dirs`` created, deepest first, where they are still empty."""
+    for d in reversed(made):
+        try:
+            d.rmdir()
+        except OSError:
+            pass
+
+
+def _move_in(tmp: Path, out: Path) -> None:
+    """Move the rendered files into ``out`` (``compare.md`` last) and delete stale plots of ours."""
+    written = {f.name for f in tmp.iterdir()}
+    for f in sorted(tmp.iterdir(), key=lambda p: p.name == "compare.md"):  # compare.md last
+        os.replace(f, out / f.name)
+    # Plots an earlier comparison into this directory wrote and this one did not (a metric no run of this
+    # comparison logged): stale, so removed. Files of other names are not ours and are left alone.
+    for name in _plot_names() - written:
+        (out / name).unlink(missing_ok=True)
