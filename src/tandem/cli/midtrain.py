@@ -8,7 +8,10 @@ exact chat-format pieces RL uses (``ChatTemplate.render_transcript``).
 Invariants: everything is a pure function of the preset and options (same machine, same threads), so the
 recipe reproduces the model; the output directory is a complete HF model dir (config.json,
 model.safetensors, tokenizer files, generation_config.json) plus ``recipe.json`` and ``metrics.jsonl``;
-``--resume`` reuses the tokenizer saved in the output dir and continues from its checkpoint.
+``--resume`` reuses the tokenizer saved in the output dir and continues from its checkpoint. Bad options
+(unknown preset, --steps/--stop-after < 1, --threads outside 1..``MAX_THREADS``, an --out that is not empty,
+not a writable ordinary directory, or has no usable checkpoint to resume) print one ``error:`` line and exit
+with status 2 before anything is built or written.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import platform
 import shutil
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from tandem.cli.checks import threads_problem, writable_dir_problem
 from tandem.train.midtrain import CHECKPOINT, MidtrainSettings, midtrain, pack
 
 
@@ -242,7 +247,7 @@ def midtrain_command(
 ) -> None:
     """Mid-train a small Qwen3 model on stdlib code + expert agent transcripts into an HF model dir."""
     out_dir = out if out is not None else Path("runs") / f"midtrain-{preset}"
-    problem = _check_out(out_dir, resume, threads)
+    problem = _check_options(preset, steps, threads, stop_after) or _check_out(out_dir, resume)
     if problem:
         typer.echo(f"error: {problem}", err=True)
         raise typer.Exit(2)
@@ -262,26 +267,38 @@ def midtrain_command(
         typer.echo(f"stopped at step {recipe['steps_done']}; continue with --resume --out {out_dir}")
 
 
-def _check_out(out: Path, resume: bool, threads: int) -> str | None:
-    """Why ``--out``/``--resume``/``--threads`` cannot work, before anything is built or written: a new run
-    never writes into a non-empty directory (it replaced the shipped model's files when pointed at it), a
-    resume needs the checkpoint a stopped run left."""
-    from tandem.train.midtrain import CHECKPOINT
+def _check_options(preset: str, steps: int | None, threads: int, stop_after: int | None) -> str | None:
+    """Why the preset or a number option cannot work (checked before ``--out`` is touched)."""
+    if preset not in PRESETS:
+        return f"--preset {preset!r} is unknown; choose one of {', '.join(PRESETS)}"
+    for flag, value in (("--steps", steps), ("--stop-after", stop_after)):
+        if value is not None and value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    return threads_problem("--threads", threads)
 
-    if threads < 1:
-        return f"--threads must be >= 1, got {threads}"
+
+def _check_out(out: Path, resume: bool) -> str | None:
+    """Why ``--out``/``--resume`` cannot work, before anything is built or written: a new run never writes
+    into a non-empty directory (it replaced the shipped model's files when pointed at it), a resume needs the
+    checkpoint a stopped run left (a ``torch.save`` zip archive), and ``--out`` must be an ordinary writable
+    directory (``/proc/x`` or a path under a file failed only after the corpus was built)."""
     if out.exists() and not out.is_dir():
         return f"--out {str(out)!r} exists and is not a directory; pass a new or empty directory"
     if resume:
-        if not (out / CHECKPOINT).is_file():
+        ckpt = out / CHECKPOINT
+        if not ckpt.is_file():
             return f"--resume: no {CHECKPOINT} under {str(out)!r}; start without --resume"
-        return None
-    if out.is_dir() and any(out.iterdir()):
+        if not zipfile.is_zipfile(ckpt):
+            return (
+                f"--resume: {str(ckpt)!r} is not a checkpoint (not a torch.save archive: damaged or cut "
+                "off); start again in a new --out without --resume"
+            )
+    elif out.is_dir() and any(out.iterdir()):
         return (
             f"--out {str(out)!r} is not empty; a new mid-training run would overwrite its files. Pass a new "
             "or empty directory, or --resume to continue a stopped run there"
         )
-    return None
+    return writable_dir_problem("--out", out)
 
 
 app = typer.Typer(help="Mid-train tandem's base model.")

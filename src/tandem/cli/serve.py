@@ -1,24 +1,31 @@
 """`tandem serve`: the OpenAI-compatible rollout gateway in front of an inference engine, in the foreground.
 
 Invariants: options are checked before the model is loaded, so a refused configuration fails at once; every
-user error (a non-loopback host without --api-key, an engine that is not available, a missing model
-directory, an address in use) prints one ``error:`` line naming the value and exits with status 2. The
+user error (a non-loopback host without --api-key, an engine that is not available, an unknown --dtype or
+--log-level, --threads outside 1..``MAX_THREADS``, a KV cache of --max-batch + --max-parked sequences of
+--max-seq-len tokens larger than the machine's memory, a missing model directory, an address in use) prints
+one ``error:`` line naming the value and exits with status 2. The
 engine is stopped when the server exits (Ctrl-C or SIGTERM).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from pydantic import ValidationError
 
+from tandem.cli.checks import threads_problem
 from tandem.core.errors import TandemError
 from tandem.engine.gateway.config import GatewayConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 ENGINES = ("auto", "builtin", "vllm")
+DTYPES = ("float32", "bfloat16")
+GIB = 2**30
 _DEFAULTS = GatewayConfig()
 
 
@@ -43,6 +50,48 @@ def _gateway_config(**fields: object) -> GatewayConfig:
         where = ".".join(str(x) for x in err["loc"]) or "gateway"
         _fail(f"{where}: {err['msg'].removeprefix('Value error, ')}")
         raise  # unreachable: _fail exits
+
+
+def _kv_cache_bytes(path: Path, slots: int, seq_len: int, dtype: str) -> int | None:
+    """Bytes of the KV cache an engine preallocates for ``slots`` sequences of ``seq_len`` tokens of the model
+    in ``path`` (keys and values, every layer), from its config.json; None when config.json does not say
+    (the model loader then names what is wrong with it)."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        layers = int(cfg["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError, AttributeError):
+        return None
+    return 2 * layers * slots * kv_heads * seq_len * head_dim * (4 if dtype == "float32" else 2)
+
+
+def _memory_problem(path: Path, max_batch: int, max_parked: int, max_seq_len: int, dtype: str) -> str | None:
+    """Why the KV cache of these sizes cannot fit this machine's physical memory, or None (a cache past a C
+    long crashed in torch.zeros; a smaller one past memory started and failed on use)."""
+    need = _kv_cache_bytes(path, max_batch + max_parked, max_seq_len, dtype)
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need is None or need <= have:
+        return None
+    return (
+        f"--max-batch ({max_batch}) + --max-parked ({max_parked}) sequences of --max-seq-len ({max_seq_len}) "
+        f"tokens need a {need / GIB:.3g} GiB KV cache for this model in {dtype}, more than this machine's "
+        f"{have / GIB:.3g} GiB of memory; lower them"
+    )
+
+
+def _option_problem(engine: str, dtype: str, log_level: str, threads: int) -> str | None:
+    """Why ``--engine``, ``--dtype``, ``--log-level`` or ``--threads`` cannot work, or None."""
+    from uvicorn.config import LOG_LEVELS
+
+    if engine not in ENGINES:
+        return f"--engine {engine!r} is unknown; choose one of {', '.join(ENGINES)}"
+    if dtype not in DTYPES:
+        return f"--dtype {dtype!r} is unknown; choose one of {', '.join(DTYPES)}"
+    if log_level.lower() not in LOG_LEVELS:
+        return f"--log-level {log_level!r} is unknown; choose one of {', '.join(LOG_LEVELS)}"
+    return threads_problem("--threads", threads)
 
 
 def serve(
@@ -100,24 +149,28 @@ def serve(
         gc_freeze_enabled()
     except ValueError as e:
         _fail(str(e))
-    if engine not in ENGINES:
-        _fail(f"--engine {engine!r} is unknown; choose one of {', '.join(ENGINES)}")
+    problem = _option_problem(engine, dtype, log_level, threads)
+    if problem:
+        _fail(problem)
     if engine == "vllm":
         from tandem.engine.vllm import vllm_available
 
         reason = vllm_available()
         if reason is not None:
             _fail(f"--engine vllm: {reason}")
-    if max_seq_len < 2 or max_batch < 1 or max_parked < 0 or threads < 1:
+    if max_seq_len < 2 or max_batch < 1 or max_parked < 0:
         _fail(
-            f"--max-seq-len ({max_seq_len}) must be >= 2, --max-batch ({max_batch}) and --threads "
-            f"({threads}) >= 1, --max-parked ({max_parked}) >= 0"
+            f"--max-seq-len ({max_seq_len}) must be >= 2, --max-batch ({max_batch}) >= 1, --max-parked "
+            f"({max_parked}) >= 0"
         )
     path = _model_dir(model)
     if not path.is_dir() or not (path / "config.json").is_file():
         _fail(
             f"--model {str(model)!r} is not a model directory (needs config.json, weights and tokenizer.json)"
         )
+    problem = _memory_problem(path, max_batch, max_parked, max_seq_len, dtype)
+    if problem:
+        _fail(problem)
 
     from tandem.core.config import EngineConfig
     from tandem.engine.choice import choose_engine
