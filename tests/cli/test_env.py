@@ -74,3 +74,80 @@ def test_bad_input_exits_2_with_a_message(tmp_path: Path) -> None:
     assert res.exit_code == 2 and "unreadable" in res.output
     res = runner.invoke(app, ["try", "humaneval:HumanEval/0"])
     assert res.exit_code == 2 and "--solution" in res.output
+
+
+def _refused(args: list[str], *needles: str) -> str:
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert res.output.startswith("error: ") and res.output.count("\n") == 1, res.output
+    for needle in needles:
+        assert needle in res.output, res.output
+    return res.output
+
+
+def test_try_dir_past_the_snapshot_caps_is_refused(tmp_path: Path) -> None:
+    """Before, a directory solution was read whole (a 30 MB file, any number of files, a walk of `/`) though
+    the snapshot grading stands for keeps at most sandbox.file_mb per file and 16 MiB in all."""
+    from tandem.cli.env import SOLUTION_MAX_ENTRIES
+    from tandem.sandbox.base import SNAPSHOT_MAX_BYTES
+
+    task = "humaneval:HumanEval/0"
+    big = tmp_path / "big"
+    big.mkdir()
+    _canonical(big)
+    (big / "data.txt").write_text("x" * (2 * 2**20))
+    _refused(
+        ["try", task, "--solution", str(big), "--set", "sandbox.file_mb=1"],
+        str(big / "data.txt"), "sandbox.file_mb=1",
+    )  # fmt: skip
+    many_mb = tmp_path / "many_mb"
+    many_mb.mkdir()
+    for i in range(SNAPSHOT_MAX_BYTES // 2**20 + 1):
+        (many_mb / f"part{i:02d}.txt").write_text("y" * 2**20)
+    _refused(["try", task, "--solution", str(many_mb)], str(many_mb), "16 MiB")
+    many = tmp_path / "many"
+    many.mkdir()
+    for i in range(SOLUTION_MAX_ENTRIES + 1):
+        (many / f"f{i}").touch()
+    _refused(["try", task, "--solution", str(many)], str(many), str(SOLUTION_MAX_ENTRIES))
+
+
+def test_try_file_past_the_cap_or_not_a_file_is_refused(tmp_path: Path) -> None:
+    """Before, /dev/null was reported as "does not exist" and a file of any size was read whole."""
+    task = "humaneval:HumanEval/0"
+    big = tmp_path / "solution.py"
+    big.write_text("#" * (2 * 2**20))
+    _refused(
+        ["try", task, "--solution", str(big), "--set", "sandbox.file_mb=1"], str(big), "sandbox.file_mb=1"
+    )
+    _refused(["try", task, "--solution", "/dev/null"], "'/dev/null'", "not a regular file")
+
+
+def test_try_dir_never_follows_links_out_of_it(tmp_path: Path) -> None:
+    """A correct solution reachable only through a symlinked file or directory is not graded."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    _canonical(outside)
+    sol = tmp_path / "sol"
+    sol.mkdir()
+    (sol / "solution.py").symlink_to(outside / "solution.py")
+    (sol / "pkg").symlink_to(outside)
+    res = runner.invoke(app, ["try", "humaneval:HumanEval/0", "--solution", str(sol), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["reward"] == 0.0 and out["flags"]["symlinks_ignored"] is True
+
+
+def test_try_unreadable_config_is_refused(tmp_path: Path) -> None:
+    """Before: UnicodeDecodeError / ValueError (4300-digit limit) tracebacks from reading --config."""
+    sol = _canonical(tmp_path)
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes(b"[reward]\n# caf\xe9\n")
+    digits = tmp_path / "digits.toml"
+    digits.write_text("[sandbox]\nmemory_mb = " + "9" * 5000 + "\n")
+    for cfg, needle in ((latin1, "not UTF-8"), (digits, "too long")):
+        _refused(
+            ["try", "humaneval:HumanEval/0", "--solution", str(sol), "--config", str(cfg)], str(cfg), needle
+        )
+    huge = "sandbox.memory_mb=" + "9" * 5000
+    _refused(["try", "humaneval:HumanEval/0", "--solution", str(sol), "--set", huge], "--set", "too long")

@@ -6,24 +6,30 @@ Invariants:
   training would), in a fresh sandbox (protected files restored, hidden tests added, exit code cross-checked),
   on the files an agent's final workspace would hold: the task's workspace, with ``solution.py`` replaced by
   a FILE, or overlaid with a DIR's files read the way a sandbox snapshot reads them (regular UTF-8 text files,
-  ``__pycache__`` and symlinks skipped).
-- Bad input (unknown task id, missing or unreadable solution path, an invalid config) prints one ``error:``
-  line naming the value and exits with status 2; no traceback.
+  ``__pycache__`` and binary files skipped, symlinks never followed: their targets are never opened).
+- The snapshot's caps hold for what is read: a file over ``sandbox.file_mb`` MiB, a DIR with over
+  ``SNAPSHOT_MAX_BYTES`` of text or over ``SOLUTION_MAX_ENTRIES`` entries is refused (not silently cut, so
+  what is graded is what was passed), before any sandbox starts.
+- Bad input (unknown task id, missing, unreadable, non-regular or oversized solution path, an invalid config)
+  prints one ``error:`` line naming the value and exits with status 2; no traceback.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from tandem.core.config import RewardConfig, SandboxConfig, load_config
+from tandem.core.config import RewardConfig, RunConfig, SandboxConfig, load_config
 from tandem.core.errors import TandemError
 from tandem.core.records import Reward, Task
-from tandem.sandbox.base import LIMIT_NAMES
+from tandem.sandbox.base import LIMIT_NAMES, SNAPSHOT_MAX_BYTES
+from tandem.sandbox.limits import MIB
 
 app = typer.Typer(
     help="Task sources: list them, grade a solution.", no_args_is_help=True, pretty_exceptions_enable=False
@@ -52,46 +58,119 @@ def list_(json_: Annotated[bool, typer.Option("--json", help="Print one JSON obj
             typer.echo(f"  families per level: {levels}")
 
 
-def _read_text(path: Path) -> str:
+SOLUTION_MAX_ENTRIES = 10_000
+"""Most files and directories a ``--solution`` DIR may hold (a task workspace holds a few): the walk stops
+and refuses past it (``--solution /`` walked the whole host)."""
+
+
+def _read_regular(path: Path, limit: int, follow: bool) -> bytes | None:
+    """The bytes of ``path`` if it is a regular file (None for anything else: a FIFO, a device, and with
+    ``follow`` False a symlink, whose target is never opened). More than ``limit`` bytes is refused naming
+    ``sandbox.file_mb``, the cap a sandbox snapshot applies per file."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | (0 if follow else os.O_NOFOLLOW)
     try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        # Nothing but a regular file is opened: opening a device can act (a tty, a watchdog, a tape).
+        if not stat.S_ISREG((os.stat if follow else os.lstat)(path).st_mode):
+            return None
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow:
+            return None  # it became a symlink since the lstat (O_NOFOLLOW): never followed
+        _fail(f"--solution file {str(path)!r} is unreadable ({type(e).__name__}: {e})")
+        raise AssertionError from e  # unreachable: _fail exits
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the stat
+            return None
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        _fail(
+            f"--solution file {str(path)!r} is over {limit // MIB} MiB, the largest file a sandbox snapshot "
+            f"keeps (sandbox.file_mb={limit // MIB}); pass a smaller file, or raise it with --set "
+            "sandbox.file_mb=N"
+        )
+    return data
+
+
+def _read_text(path: Path, limit: int) -> str:
+    raw = _read_regular(path, limit, follow=True)
+    if raw is None:
+        _fail(
+            f"--solution {str(path)!r} is not a regular file or a directory; pass a solution.py file or a "
+            "workspace dir"
+        )
+    assert raw is not None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
         _fail(f"--solution file {str(path)!r} is unreadable ({type(e).__name__}: {e}); pass UTF-8 text")
         raise AssertionError from e  # unreachable: _fail exits
 
 
-def _dir_files(root: Path) -> dict[str, str]:
-    """The regular UTF-8 text files under ``root`` (relative path -> content), as a sandbox snapshot reads."""
+def _count_entries(root: Path, seen: int, more: int) -> int:
+    """``seen + more``, refused past ``SOLUTION_MAX_ENTRIES``."""
+    if seen + more > SOLUTION_MAX_ENTRIES:
+        _fail(
+            f"--solution {str(root)!r} holds more than {SOLUTION_MAX_ENTRIES} files and directories; a "
+            "solution is a task workspace, pass that directory"
+        )
+    return seen + more
+
+
+def _count_bytes(root: Path, seen: int, more: int) -> int:
+    """``seen + more`` bytes of text, refused past ``SNAPSHOT_MAX_BYTES``."""
+    if seen + more > SNAPSHOT_MAX_BYTES:
+        _fail(
+            f"--solution {str(root)!r} holds more than {SNAPSHOT_MAX_BYTES // MIB} MiB of text files, the "
+            "most a sandbox snapshot keeps (tandem.sandbox.base.SNAPSHOT_MAX_BYTES); pass a smaller directory"
+        )
+    return seen + more
+
+
+def _dir_files(root: Path, limit: int) -> tuple[dict[str, str], list[str]]:
+    """The regular UTF-8 text files under ``root`` (relative path -> content) read the way a sandbox
+    snapshot reads them (sorted walk, ``__pycache__`` and binary files skipped, symlinks never followed),
+    and the relative paths of the symlinks left out. Past a snapshot's caps (``limit`` bytes per file,
+    ``SNAPSHOT_MAX_BYTES`` in all) or ``SOLUTION_MAX_ENTRIES``, it refuses instead of leaving files out."""
     out: dict[str, str] = {}
+    links: list[str] = []
+    total = entries = 0
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        entries = _count_entries(root, entries, len(dirnames) + len(filenames))
+        links += [str(Path(dirpath, d).relative_to(root)) for d in dirnames if Path(dirpath, d).is_symlink()]
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")  # os.walk never enters the links
         for name in sorted(filenames):
             full = Path(dirpath, name)
-            if full.is_symlink() or not full.is_file():
+            raw = _read_regular(full, limit, follow=False)
+            if raw is None:
+                if full.is_symlink():
+                    links.append(str(full.relative_to(root)))
                 continue
             try:
-                text = full.read_bytes().decode("utf-8")
+                text = raw.decode("utf-8")
             except UnicodeDecodeError:
                 continue
-            except OSError as e:
-                _fail(f"--solution file {str(full)!r} is unreadable ({type(e).__name__}: {e})")
-            if "\x00" not in text:
-                out[str(full.relative_to(root))] = text
-    return out
+            if "\x00" in text:
+                continue
+            total = _count_bytes(root, total, len(raw))
+            out[str(full.relative_to(root))] = text
+    return out, sorted(links)
 
 
-def solution_files(task: Task, solution: Path) -> dict[str, str]:
-    """The agent-final files for ``task`` given a solution FILE (solution.py) or DIR (overlay)."""
+def solution_files(task: Task, solution: Path, limit: int) -> tuple[dict[str, str], list[str]]:
+    """The agent-final files for ``task`` given a solution FILE (solution.py) or DIR (overlay), and the
+    symlinks of a DIR left out; ``limit`` is the per-file cap in bytes (``sandbox.file_mb``)."""
     from tandem.env.tasks import SOLUTION_FILE
 
     files = dict(task.workspace)
+    links: list[str] = []
     if solution.is_dir():
-        files.update(_dir_files(solution))
-    elif solution.is_file():
-        files[SOLUTION_FILE] = _read_text(solution)
+        overlay, links = _dir_files(solution, limit)
+        files.update(overlay)
+    elif solution.exists():
+        files[SOLUTION_FILE] = _read_text(solution, limit)
     else:
         _fail(f"--solution {str(solution)!r} does not exist; pass a solution.py file or a workspace dir")
-    return files
+    return files, links
 
 
 def flags(task: Task, files: dict[str, str], reward: Reward) -> dict[str, bool]:
@@ -124,9 +203,9 @@ def grade(
     except ValueError as e:
         _fail(str(e))
         raise AssertionError from e  # unreachable: _fail exits
-    files = solution_files(task, solution)
-    reward = score(task, files, reward_config or RewardConfig(), sandbox_config or SandboxConfig())
-    links = _dir_symlinks(solution) if solution.is_dir() else []
+    sandbox_config = sandbox_config or SandboxConfig()
+    files, links = solution_files(task, solution, sandbox_config.file_mb * MIB)
+    reward = score(task, files, reward_config or RewardConfig(), sandbox_config)
     return {
         "task": task.id,
         "reward": reward.value,
@@ -135,14 +214,22 @@ def grade(
     }
 
 
-def _dir_symlinks(root: Path) -> list[str]:
-    """Relative paths of the symlinks under ``root`` (never followed: grading sees none of them)."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            if Path(dirpath, name).is_symlink():
-                out.append(str(Path(dirpath, name).relative_to(root)))
-    return sorted(out)
+def _load_config(config: Path | None, set_: list[str] | None) -> RunConfig:
+    """``load_config`` with what it lets escape as a traceback (``tandem.core.config`` reads the file as
+    text and its numbers with Python's digit limit) turned into one ``error:`` line naming the source."""
+    try:
+        return load_config(config, set_)
+    except TandemError as e:
+        _fail(str(e))
+    except UnicodeDecodeError as e:  # only the file: --set values arrive as str
+        _fail(
+            f"config file {config} is not UTF-8 text ({e.reason} at byte {e.start}); pass a UTF-8 TOML file"
+        )
+    except (ValueError, RecursionError) as e:  # an integer past sys.get_int_max_str_digits(), deep nesting
+        source = f"config file {config} or --set" if config is not None else "--set"
+        reason = str(e).split(":")[0] if isinstance(e, ValueError) else "nested too deeply"
+        _fail(f"{source}: a value is too long to read ({reason}); shorten it")
+    raise AssertionError  # unreachable: _fail exits
 
 
 @app.command("try")
@@ -163,11 +250,7 @@ def try_(
     if solution is None:
         _fail("--solution FILE_OR_DIR is required")
         return
-    try:
-        cfg = load_config(config, set_)
-    except TandemError as e:
-        _fail(str(e))
-        return
+    cfg = _load_config(config, set_)
     out = grade(task_id, solution, cfg.reward, cfg.sandbox)
     if json_:
         typer.echo(json.dumps(out))
