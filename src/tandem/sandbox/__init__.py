@@ -15,13 +15,21 @@ Invariants:
 - Limits on every command: address space, CPU time, file size and open files (rlimits), and cgroup v1 memory
   and pids limits where the machine has them; a wall-clock timeout kills the whole process tree and yields
   exit status 124. Output is capped per stream with a visible marker.
+- Disk: what a sandbox on disk scratch (and every copy-mode workspace) can write is capped at
+  ``SandboxConfig.disk_mb`` by a filesystem of its own where tandem runs as root (``tandem.sandbox.disk``);
+  an exec that leaves it full raises :class:`SandboxDiskFull`. Tmpfs scratch is capped by the memory cgroup.
 - Nothing outlives an ``exec``; ``close()`` (idempotent, also run at garbage collection and interpreter
-  exit) removes the workdir and the cgroups. Leftovers of crashed processes are swept on the next start.
+  exit) removes the workdir, its mounts and the cgroups. A process removes everything it made when it exits,
+  also after Ctrl-C, and after SIGTERM or SIGHUP once it has made a sandbox on its main thread
+  (:func:`exit_on_signals`, ``tandem.sandbox.cleanup``). Leftovers of killed processes are swept on the next
+  start (only those of dead processes).
 - ``read``/``write`` only touch files inside the workspace; escapes raise ``SandboxError``.
 """
 
 from tandem.sandbox.base import LIMIT_NAMES, ExecResult, Sandbox
 from tandem.sandbox.bwrap import BwrapSandbox, bwrap_available
+from tandem.sandbox.cleanup import exit_on_signals
+from tandem.sandbox.disk import SandboxDiskFull
 from tandem.sandbox.factory import create_sandbox
 from tandem.sandbox.layers import WorkspaceTemplate
 from tandem.sandbox.plain import PlainSandbox
@@ -34,9 +42,11 @@ __all__ = [
     "ExecResult",
     "PlainSandbox",
     "Sandbox",
+    "SandboxDiskFull",
     "SandboxPool",
     "WorkspaceTemplate",
     "bwrap_available",
     "create_sandbox",
     "drain_reaper",
+    "exit_on_signals",
 ]

@@ -6,10 +6,16 @@ Invariants:
   sandbox of the same workspace (``tandem.sandbox.layers``) and whose upper layer is private, so creating a
   sandbox costs the same for 1 MB and 100 MB; with copy, a private copy. :meth:`Sandbox.close` (also run by a
   finalizer and at interpreter exit) kills every process of the sandbox, removes its cgroups, unmounts the
-  overlay, deletes its private directory and releases the layer; it is idempotent. The private directory
+  overlay, deletes its private directory and releases the layer; it is idempotent, and whatever it has not
+  done when the process exits is done then (``tandem.sandbox.cleanup``). The private directory
   of an overlay sandbox is on tmpfs (``/dev/shm``) when ``SandboxConfig.scratch`` allows it (``auto``: only
   with a memory cgroup, which tmpfs pages written by commands are charged to, and while the tmpfs keeps its
-  reserve free, see ``scratch_dir``), else in the temp dir.
+  reserve free, see ``scratch_dir``), else in the temp dir. There (and for every copy-mode workspace), what
+  commands can write (the overlay's upper layer, or the copy) lives in a filesystem of ``disk_mb`` of its
+  own where tandem can mount one (root; ``tandem.sandbox.disk``), so no command writes more to the host's
+  disk: when an exec or :meth:`Sandbox.write` leaves it full, they raise :class:`SandboxDiskFull` (the
+  sandbox stays usable once files are removed). A command that filled it and freed the room again before
+  it ended (such as files it unlinked while open) is not reported; the cap held all the same.
 - When the backend runs commands as an unprivileged agent uid (bwrap as root), every file of ``workdir``
   (and each file :meth:`write` creates) belongs to that uid, so the agent can edit what it was given.
 - :meth:`Sandbox.exec` runs one command at a time per sandbox (a lock serializes exec/read/write/snapshot).
@@ -29,6 +35,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import functools
 import heapq
 import itertools
@@ -49,8 +56,17 @@ from pathlib import Path
 from tandem.core.config import SandboxConfig
 from tandem.core.errors import SandboxError
 from tandem.core.procs import pid_alive
+from tandem.sandbox.cleanup import Resources, exit_on_signals, exiting, rmtree
+from tandem.sandbox.disk import (
+    MOUNT_NAME,
+    NO_SPACE,
+    CappedDisk,
+    SandboxDiskFull,
+    disk_cap_unavailable_reason,
+    warn_uncapped,
+)
 from tandem.sandbox.forward import SocketForwarder
-from tandem.sandbox.layers import LayerCache, WorkspaceTemplate, check_relpath, layer_cache
+from tandem.sandbox.layers import WorkspaceTemplate, check_relpath, layer_cache
 from tandem.sandbox.limits import MIB, Cgroup, _host_tag, agent_uid, rlimit_script
 from tandem.sandbox.overlay import mount_overlay, mounts_under, overlay_unavailable_reason, unmount
 from tandem.sandbox.reaper import reap_later
@@ -114,19 +130,6 @@ def limits_hit(
         "leftover_processes": leftovers > 0,
     }
     return tuple(name for name in LIMIT_NAMES if hit[name])
-
-
-def _rmtree(path: Path) -> None:
-    def fix(func, p, exc):  # a command may have removed write permission from its own directories
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            if os.path.isdir(p) and not os.path.islink(p):
-                os.chmod(p, 0o700)
-            func(p)
-        except OSError:
-            pass
-
-    shutil.rmtree(path, onerror=fix)
 
 
 TMPFS_SCRATCH = Path("/dev/shm")
@@ -199,28 +202,7 @@ def _sweep_tmp() -> None:
         if not pid_alive(pid):
             for point in mounts_under(p):
                 unmount(point)
-            _rmtree(p)
-
-
-def _cleanup(
-    root: Path,
-    cgroup: Cgroup,
-    layer: list[tuple[LayerCache, str]],
-    forwarder: list[SocketForwarder],
-    mounts: list[Path],
-) -> None:
-    while forwarder:
-        forwarder.pop().close()
-    cgroup.remove()
-    while mounts:  # the workspace overlay and any read-only binds, last made first (no mountinfo scan)
-        try:
-            unmount(mounts.pop())
-        except OSError:
-            pass
-    _rmtree(root)
-    while layer:
-        cache, key = layer.pop()
-        cache.release(key)
+            rmtree(p)
 
 
 def _chown_tree(root: Path, owner: int) -> None:
@@ -251,6 +233,9 @@ class Sandbox:
         self._lock = threading.Lock()
         self._closed = False
         self._proc: subprocess.Popen[bytes] | None = None
+        if exiting():  # the exit hook is releasing everything: what is made now would be left behind
+            raise SandboxError("this process is exiting; no new sandbox can be made")
+        exit_on_signals()
         _sweep_tmp()
         self.owner = agent_uid(config)
         """Host uid (and gid) commands run as and workspace files belong to; None: this process's own."""
@@ -267,13 +252,14 @@ class Sandbox:
             self._cgroup.remove()
             raise
         self.workdir = self._root / "workspace"
-        self._layer: list[tuple[LayerCache, str]] = []
-        self._mounts: list[Path] = []
+        self._res = Resources(self._root, self._cgroup)
+        """Everything this sandbox made, released by :meth:`close` (``tandem.sandbox.cleanup``)."""
+        self._layer, self._forwarder = self._res.layer, self._res.forwarder
+        self._mounts = self._res.mounts
         """Mount points this sandbox made under its directory, in the order made (unmounted in reverse)."""
-        self._forwarder: list[SocketForwarder] = []
-        self._finalizer = weakref.finalize(
-            self, _cleanup, self._root, self._cgroup, self._layer, self._forwarder, self._mounts
-        )
+        self._finalizer = weakref.finalize(self, self._res.release)
+        self._disk: CappedDisk | None = None
+        """The size-capped filesystem holding what commands may write (None: tmpfs scratch, or no cap)."""
         self._prelude = (
             self._cgroup.join_script()
             + rlimit_script(config, use_nproc=not self._cgroup.has_pids, uid=self.owner)
@@ -284,11 +270,14 @@ class Sandbox:
         self._counters = self._cgroup.counters()
         """The cgroup's limit counters after the last exec (before the first: at creation)."""
         try:
+            self._disk = self._capped_disk()
             if self.mode == "overlay":
                 self._mount(workspace)
             else:
+                if self._disk is not None:
+                    self.workdir = self._disk.mount / "workspace"
                 self.workdir.mkdir(mode=0o755)
-                self._populate(workspace)
+                self._fill_copy(workspace)
                 if self.owner is not None:
                     _chown_tree(self.workdir, self.owner)
             if self.owner is not None:
@@ -356,13 +345,46 @@ class Sandbox:
                 f"workspace must be a dict (relative path -> text) or a directory path, got {type(workspace)}"
             )
         self._layer.append((cache, key))
-        upper, work = self._root / "upper", self._root / "work"
+        writable = self._disk.mount if self._disk is not None else self._root
+        upper, work = writable / "upper", writable / "work"
         for d in (upper, work, self.workdir):
             d.mkdir(mode=0o755)
         if self.owner is not None:
             os.chown(upper, self.owner, self.owner)
         mount_overlay(lower, upper, work, self.workdir)
         self._mounts.append(self.workdir)
+
+    def _capped_disk(self) -> CappedDisk | None:
+        """A filesystem of ``disk_mb`` for what commands write, when the private directory is on disk (the
+        scratch is not tmpfs); None on tmpfs, or where none can be made (warned once)."""
+        if self.scratch is not None:
+            return None
+        reason = disk_cap_unavailable_reason()
+        if reason is not None:
+            warn_uncapped(reason)
+            return None
+        self._mounts.append(self._root / MOUNT_NAME)  # listed first: a cut-short creation is still unmounted
+        try:
+            disk = CappedDisk(self._root, self.config.disk_mb * MIB)
+        except OSError as e:
+            raise SandboxError(
+                f"could not make the sandbox's disk of sandbox.disk_mb = {self.config.disk_mb} MiB: {e}"
+            ) from e
+        self._res.disk.append(disk)
+        return disk
+
+    def _fill_copy(self, workspace: dict[str, str] | Path | WorkspaceTemplate) -> None:
+        """Copy ``workspace`` into ``workdir``; a copy that fills the capped disk is a clear error."""
+        try:
+            self._populate(workspace)
+        except (OSError, SandboxError) as e:
+            said = isinstance(e, SandboxDiskFull) or NO_SPACE in str(e)  # copytree gathers its errors' texts
+            if self._disk is None or not (said or self._disk.full()):
+                raise
+            raise SandboxError(
+                f"the workspace does not fit in the sandbox's disk (sandbox.disk_mb = {self.config.disk_mb} "
+                f"MiB); raise sandbox.disk_mb or use workspace_mode 'overlay' (needs root). ({e})"
+            ) from e
 
     def _populate(self, workspace: dict[str, str] | Path | WorkspaceTemplate) -> None:
         if isinstance(workspace, WorkspaceTemplate):
@@ -406,7 +428,7 @@ class Sandbox:
         The first is started at creation (on the pool's thread for pooled sandboxes); after each exec, the
         spare-starter thread starts the next one ``SPARE_DELAY_S`` later (see there), never on the caller's
         thread."""
-        if not self.reports_leftovers or self._closed or self._spare is not None:
+        if not self.reports_leftovers or self._closed or self._spare is not None or exiting():
             return
         status_r, status_w = os.pipe()
         cmd_r, cmd_w = os.pipe()
@@ -489,7 +511,8 @@ class Sandbox:
         """Run ``cmd`` (argv list) with cwd = the workspace; a failing command is a result, not an error.
 
         ``env`` adds variables to the sandbox's clean environment for this command only. ``last=True`` says
-        no command follows, so no spare launcher is started for one (saves its CPU in one-shot sandboxes)."""
+        no command follows, so no spare launcher is started for one (saves its CPU in one-shot sandboxes).
+        Raises :class:`SandboxDiskFull` (holding the result) when the command left the capped disk full."""
         if not isinstance(cmd, (list, tuple)) or not cmd or not all(isinstance(a, str) for a in cmd):
             raise SandboxError(
                 f"command must be a non-empty list of strings, got {cmd!r}; e.g. ['python3', 'test.py']"
@@ -509,6 +532,7 @@ class Sandbox:
             self._execs += 1  # a spare scheduled by an earlier exec is now stale
             start = time.monotonic()
             before = self._counters  # nothing runs between commands: the last exec's reading still holds
+            disk_before = self._disk.usage()[0] if self._disk is not None else 0
             argv = ["/bin/sh", "-c", self._prelude, "tandem-sandbox", *self._argv(list(cmd), extra)]
             status_r, status_w = -1, -1
             stdin: int = subprocess.PIPE if data is not None else subprocess.DEVNULL
@@ -587,7 +611,11 @@ class Sandbox:
         if timed_out:
             code = TIMEOUT_EXIT
             err += f"\n[tandem sandbox: command timed out after {timeout:g} s; its process tree was killed]\n"
-        return ExecResult(code, out, err, timed_out, truncated, duration, limits)
+        result = ExecResult(code, out, err, timed_out, truncated, duration, limits)
+        disk = self._disk if not self._closed else None  # closed by another thread: the disk may be gone
+        if disk is not None and disk.filled_by(disk_before, out + err, self.config.file_mb * MIB):
+            raise SandboxDiskFull(disk.full_message(f"command {list(cmd)!r} (exit status {code})"), result)
+        return result
 
     def _kill_tree(self, proc: subprocess.Popen[bytes]) -> None:
         # Only while the session leader is unreaped: then its pid (= the group id) cannot have been reused.
@@ -727,9 +755,14 @@ class Sandbox:
         if real.is_dir():
             raise SandboxError(f"{path!r} is a directory in the workspace; pass a file path")
         real.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        try:
+            fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        except OSError as e:
+            if e.errno != errno.ENOSPC or self._disk is None:
+                raise
+            raise SandboxDiskFull(self._disk.full_message(f"writing {path!r}"), None) from e
         if self.owner is not None:  # the file and any directory just made for it become the agent's
             node, top = real, Path(os.path.realpath(self.workdir))
             while node != top and node.is_relative_to(top):

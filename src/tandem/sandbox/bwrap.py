@@ -95,7 +95,8 @@ def _etc_key() -> tuple[tuple[str, int, int, int, int], ...]:
 def _remove_etc_copies() -> None:
     with _etc_lock:
         for d in _etc_copies.values():
-            shutil.rmtree(d, ignore_errors=True)
+            if f"-{os.getpid()}-etc-" in d.name:  # not a parent's, in a forked child that exits
+                shutil.rmtree(d, ignore_errors=True)
         _etc_copies.clear()
 
 

@@ -12,8 +12,9 @@ Invariants:
   overlay's upper directory are the agent's to modify; nothing ever writes into a layer after the rename.
 - Layers are reference-counted: :meth:`LayerCache.acquire` / :meth:`LayerCache.release`. At most
   ``max_unused`` layers without references are kept (least recently used are deleted first); a layer in use
-  is never deleted. All layers of a process live under ``<tmp>/tandem-layers-<host>-<pid>-<n>/``; the
-  directories of dead processes on this host are deleted by the first cache created afterwards.
+  is never deleted. All layers of a process live under ``<tmp>/tandem-layers-<host>-<pid>-<n>/``, which the
+  process deletes at exit (``tandem.sandbox.cleanup``); the directories of dead processes on this host are
+  deleted by the first cache created afterwards.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path, PurePosixPath
 from tandem.core.config import SandboxConfig
 from tandem.core.errors import SandboxError
 from tandem.core.procs import pid_alive
+from tandem.sandbox.cleanup import exit_on_signals
 
 _ids = itertools.count()
 
@@ -126,7 +128,9 @@ class LayerCache:
         """Layers without references kept for reuse; older ones are deleted."""
         prefix = f"tandem-layers-{_host_tag()}-"
         _sweep(Path(tempfile.gettempdir()), prefix)
-        self.root = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-"))
+        self.pid = os.getpid()
+        """The process that made the cache; only it removes the cache at exit."""
+        self.root = Path(tempfile.mkdtemp(prefix=f"{prefix}{self.pid}-"))
         os.chmod(self.root, 0o700)
         self._lock = threading.Lock()
         self._refs: dict[str, int] = {}
@@ -228,6 +232,17 @@ def layer_cache(owner: int | None) -> LayerCache:
         return cache
 
 
+def remove_layer_caches() -> None:
+    """Delete every layer cache of this process with its directory (at exit: nothing may use them after).
+    A forked child only forgets the caches it inherited: they are its parent's."""
+    with _caches_lock:
+        caches = list(_caches.values())
+        _caches.clear()
+    for cache in caches:
+        if cache.pid == os.getpid():
+            shutil.rmtree(cache.root, ignore_errors=True)
+
+
 class WorkspaceTemplate:
     """A workspace frozen into a shared read-only layer: sandboxes made from it clone it in constant time.
 
@@ -239,6 +254,7 @@ class WorkspaceTemplate:
     def __init__(self, workspace: dict[str, str] | Path, config: SandboxConfig) -> None:
         from tandem.sandbox.limits import agent_uid
 
+        exit_on_signals()
         self.owner = agent_uid(config)
         """Uid owning the layer's files (sandboxes must run as it)."""
         self.cache = layer_cache(self.owner)

@@ -36,8 +36,10 @@ class SandboxPool:
     ) -> None:
         if size < 0:
             raise SandboxError(f"pool size must be >= 0, got {size}")
+        from tandem.sandbox.cleanup import exit_on_signals
         from tandem.sandbox.factory import create_sandbox
 
+        exit_on_signals()  # the filler thread cannot: signal handlers are set on the main thread
         self.workspace, self.config, self.size = workspace, config, size
         self._create = factory or create_sandbox
         self._ready: deque[Sandbox] = deque()

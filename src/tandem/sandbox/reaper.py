@@ -41,6 +41,7 @@ def reap_later(job: Callable[[], None]) -> None:
 
 
 def drain_reaper() -> None:
-    """Block until every cleanup handed to the reaper so far has run."""
-    if _reaper is not None:
+    """Block until every cleanup handed to the reaper so far has run (at once in a forked child, whose
+    reaper thread did not survive the fork: its parent's jobs are not its own)."""
+    if _reaper is not None and _reaper.is_alive():
         _reap_queue.join()

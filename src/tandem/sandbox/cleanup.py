@@ -1,0 +1,154 @@
+"""Leaving nothing behind: what sandboxes made goes when they close, when the process exits, and when the
+process is stopped by SIGTERM or SIGHUP.
+
+Invariants:
+- A sandbox's kernel and disk resources are one :class:`Resources` record: its private directory, cgroups,
+  layer references, gateway forwarder, mounts and capped disk. :meth:`Resources.release` undoes them in a safe
+  order (forwarder; processes and cgroups; mounts, last made first; the private directory; layer references)
+  and can be resumed: an exception or a signal that cuts it short leaves every step not yet done to the next
+  call, and the record stays listed as unfinished until one call completes. Only the process that made a
+  record releases it: in a forked child (which inherits the records, finalizers and exit hooks) it does
+  nothing, so a child's exit never tears down its parent's sandboxes.
+- At interpreter exit (an ``atexit`` hook registered when this module is imported, so it runs after hooks
+  registered later), :func:`release_everything` waits for the reaper, releases every unfinished record
+  (sandboxes still open, closes cut short) and removes this process's layer caches; from then on no sandbox
+  or spare launcher is made (:func:`exiting`). It touches only what this process made: other processes'
+  leftovers are removed only by the sweeps, once their process is dead. :func:`rmtree` never changes
+  anything outside the tree it deletes.
+- :func:`exit_on_signals` (called when a sandbox, pool or template is made on the main thread): SIGTERM and
+  SIGHUP whose action is still the default raise ``SystemExit(128 + N)`` in the main thread instead, so
+  ``finally`` blocks and the exit hook run as on a normal exit. The handler restores the default action before
+  raising, so a second signal kills at once. Handlers installed by others (Ray, a server's own) are left
+  alone, and so is SIGINT: Python's KeyboardInterrupt already unwinds the same way.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import shutil
+import signal
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tandem.sandbox.overlay import unmount
+from tandem.sandbox.reaper import drain_reaper
+
+if TYPE_CHECKING:
+    from tandem.sandbox.disk import CappedDisk
+    from tandem.sandbox.forward import SocketForwarder
+    from tandem.sandbox.layers import LayerCache
+    from tandem.sandbox.limits import Cgroup
+
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""Signals turned into a normal exit by :func:`exit_on_signals`."""
+_unfinished: dict[int, Resources] = {}
+_keys = itertools.count()
+_exiting = threading.Event()
+
+
+def rmtree(path: Path) -> None:
+    """Delete ``path`` recursively, also where a command removed write permission from its own directories.
+    Never changes anything outside ``path``: a path already gone (another process's sweep, a resumed release)
+    is left alone, and only directories inside the tree get their permissions mended."""
+    top = os.path.abspath(path)
+
+    def fix(func, p, exc):
+        if isinstance(exc[1], FileNotFoundError):
+            return
+        try:
+            if os.path.abspath(p) != top:
+                os.chmod(os.path.dirname(p), 0o700)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)
+            func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=fix)
+
+
+@dataclass(eq=False)
+class Resources:
+    """What one sandbox made; the lists are filled as the sandbox makes things (see module invariants)."""
+
+    root: Path
+    """The sandbox's private directory."""
+    cgroup: Cgroup
+    layer: list[tuple[LayerCache, str]] = field(default_factory=list)
+    forwarder: list[SocketForwarder] = field(default_factory=list)
+    mounts: list[Path] = field(default_factory=list)
+    """Mount points under ``root``, in the order made (unmounted in reverse)."""
+    disk: list[CappedDisk] = field(default_factory=list)
+    key: int = field(default_factory=lambda: next(_keys))
+    pid: int = field(default_factory=os.getpid)
+    """The process that made these resources, the only one that releases them."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        _unfinished[self.key] = self
+
+    def release(self) -> None:
+        """Undo everything listed (module invariants). Idempotent and resumable; thread-safe."""
+        if os.getpid() != self.pid:
+            return
+        with self._lock:
+            while self.forwarder:
+                self.forwarder[-1].close()
+                self.forwarder.pop()
+            self.cgroup.remove()
+            while self.mounts:
+                try:
+                    unmount(self.mounts[-1])
+                except OSError:
+                    pass
+                self.mounts.pop()
+            while self.disk:  # its filesystem is unmounted now (it is among the mounts)
+                self.disk.pop().release()
+            rmtree(self.root)
+            while self.layer:
+                cache, key = self.layer.pop()
+                cache.release(key)
+            _unfinished.pop(self.key, None)
+
+
+def exiting() -> bool:
+    """True once the exit hook has started: nothing new (such as a spare launcher) should be started."""
+    return _exiting.is_set()
+
+
+def release_everything() -> None:
+    """This process's sandbox resources, all released (module invariants); run at exit."""
+    from tandem.sandbox.layers import remove_layer_caches
+
+    _exiting.set()
+    drain_reaper()
+    for res in list(_unfinished.values()):
+        try:
+            res.release()
+        except Exception:  # noqa: BLE001 - best effort at exit; the next process's sweep removes the rest
+            pass
+    remove_layer_caches()
+
+
+atexit.register(release_everything)
+
+
+def _exit_now(signum: int, frame: object) -> None:
+    signal.signal(signum, signal.SIG_DFL)  # a second signal kills at once
+    raise SystemExit(128 + signum)
+
+
+def exit_on_signals() -> None:
+    """Make SIGTERM and SIGHUP a normal exit (module invariants); does nothing off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in EXIT_SIGNALS:
+        try:
+            if signal.getsignal(sig) == signal.SIG_DFL:
+                signal.signal(sig, _exit_now)
+        except (ValueError, OSError):  # not the main interpreter, or the platform refuses
+            pass
