@@ -73,3 +73,28 @@ def test_pids_limit_applies(tmp_path: Path) -> None:
 def test_bad_limits_exit_2_naming_the_flag(tmp_path: Path, flag: str, value: str) -> None:
     r = runner.invoke(app, ["run", "--workspace", str(tmp_path), flag, value, "--", "true"])
     assert r.exit_code == 2 and flag in r.stderr
+
+
+@pytest.mark.parametrize(
+    "flag,value,needle",
+    [
+        ("--timeout", "1e300", "--timeout must be <= 604800"),  # was an OverflowError traceback
+        ("--memory", "9999999999999", "--memory must be <= 16777216"),  # was bwrap's "--size ... is limited"
+        ("--pids", "99999999", "--pids must be <= 4194304"),  # was exit 125 "ulimit: ... cannot modify limit"
+    ],
+)
+def test_limits_past_what_the_kernel_takes_exit_2(tmp_path: Path, flag: str, value: str, needle: str) -> None:
+    r = runner.invoke(app, ["run", "--workspace", str(tmp_path), flag, value, "--", "true"])
+    assert r.exit_code == 2 and r.stderr.startswith(f"error: {needle}"), r.output
+
+
+def test_workspace_with_a_named_pipe_exits_2_naming_it(tmp_path: Path) -> None:
+    """Before: a shutil.Error traceback from copying the workspace ("`pipe` is a named pipe")."""
+    import os
+
+    (tmp_path / "a.txt").write_text("hi")
+    (tmp_path / "sub").mkdir()
+    os.mkfifo(tmp_path / "sub" / "pipe")
+    r = runner.invoke(app, ["run", "--workspace", str(tmp_path), "--", "true"])
+    assert r.exit_code == 2 and r.stderr.startswith("error: --workspace"), r.output
+    assert "sub/pipe" in r.stderr and "named pipe" in r.stderr

@@ -4,13 +4,16 @@ Invariants: the command's stdout and stderr are printed on ours and its exit sta
 128+N when killed by signal N); the directory itself is never modified. ``--timeout``, ``--memory`` (MB),
 ``--pids`` and ``--max-output`` (bytes per stream, cut with a visible marker) override the ``SandboxConfig``
 defaults; a command killed by SIGKILL or failing with MemoryError gets a note on stderr naming the limits.
-Bad input (missing directory, empty command, unknown backend, unusable bwrap, a limit <= 0) prints one
-``error:`` line naming the flag or value and exits with status 2.
+Bad input (missing directory, empty command, unknown backend, unusable bwrap, a limit <= 0 or past ``MOST``)
+prints one ``error:`` line naming the flag or value and exits with status 2; so does a command that fills
+the sandbox's disk (``sandbox.disk_mb``), after its output.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import stat
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -19,7 +22,7 @@ import typer
 
 from tandem.core.config import SandboxConfig
 from tandem.core.errors import TandemError
-from tandem.sandbox import create_sandbox
+from tandem.sandbox import SandboxDiskFull, create_sandbox
 
 app = typer.Typer(
     help="Run commands in an isolated sandbox (bubblewrap: no network, read-only system, private workspace).",
@@ -36,6 +39,47 @@ def _group() -> None:
 def _fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
+
+
+MOST: dict[str, tuple[int, str]] = {
+    "--timeout": (7 * 24 * 3600, "a week; longer overflowed the wait for the command"),
+    "--memory": (2**24, "16 TiB; bwrap and ulimit refused larger sizes mid-start"),
+    "--pids": (4_194_304, "the most processes Linux can have, PID_MAX_LIMIT; ulimit refused more"),
+}
+"""Largest value per option, and why; past it the sandbox failed to start with an unclear message."""
+
+
+def _check_most(flag: str, value: float) -> None:
+    """Refuse ``value`` past ``MOST[flag]`` (options without an entry have no upper bound)."""
+    if flag in MOST and value > MOST[flag][0]:
+        most, why = MOST[flag]
+        _fail(f"{flag} must be <= {most} ({why}), got {value}")
+
+
+_KINDS = {
+    stat.S_IFIFO: "a named pipe",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a device",
+    stat.S_IFBLK: "a device",
+}
+
+
+def _check_copyable(root: Path) -> None:
+    """Refuse a workspace holding anything but files, directories and symlinks (the copy into the sandbox
+    cannot take a named pipe, a socket or a device: it failed with a traceback); symlinks are not followed."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            path = Path(dirpath, name)
+            try:
+                kind = _KINDS.get(stat.S_IFMT(os.lstat(path).st_mode))
+            except OSError:
+                continue  # gone since the listing: nothing to copy
+            if kind is not None:
+                _fail(
+                    f"--workspace {str(root)!r} holds {str(path.relative_to(root))!r}, {kind}; a sandbox "
+                    "workspace can hold only files, directories and symlinks: remove it or pass another "
+                    "directory"
+                )
 
 
 @app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})
@@ -70,6 +114,7 @@ def run(
     assert workspace is not None
     if not workspace.is_dir():
         _fail(f"--workspace {str(workspace)!r} is not an existing directory; pass the directory to copy")
+    _check_copyable(workspace)
     if not cmd:
         _fail("no command given; pass it after `--`, e.g. `tandem sandbox run --workspace . -- python3 -V`")
     assert cmd is not None
@@ -79,6 +124,7 @@ def run(
     if timeout is not None:
         if not 0 < timeout < math.inf:
             _fail(f"--timeout must be a finite number of seconds > 0, got {timeout}")
+        _check_most("--timeout", timeout)
         config.timeout_s = timeout
     for flag, value, name in (
         ("--memory", memory, "memory_mb"),
@@ -88,12 +134,24 @@ def run(
         if value is not None:
             if value <= 0:
                 _fail(f"{flag} must be a positive integer, got {value}")
+            _check_most(flag, value)
             setattr(config, name, value)
     try:
         with create_sandbox(workspace, config) as sb:
             result = sb.exec(list(cmd))
+    except SandboxDiskFull as e:  # the command's own output first, then why the sandbox failed
+        if e.result is not None:
+            sys.stdout.write(e.result.stdout)
+            sys.stdout.flush()
+            sys.stderr.write(e.result.stderr)
+        _fail(str(e))
+        return
     except TandemError as e:
         _fail(str(e))
+        return
+    except OSError as e:  # e.g. a workspace file this user cannot read, no room for the copy, no free pids
+        where = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
+        _fail(f"the sandbox for --workspace {str(workspace)!r} could not be created or run ({where})")
         return
     sys.stdout.write(result.stdout)
     sys.stdout.flush()
