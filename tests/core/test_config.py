@@ -78,3 +78,30 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("[train\nlr=")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad)
+
+
+def test_unreadable_files_and_values_are_config_errors(tmp_path):
+    """Not UTF-8, a directory, a number past Python's 4300-digit limit (file or --set): a ConfigError naming
+    the source, never a UnicodeDecodeError or ValueError traceback."""
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe[train]")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        load_config(binary)
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+    huge = tmp_path / "huge.toml"
+    huge.write_text("[train]\nlr = " + "1" * 5000 + "\n")
+    with pytest.raises(ConfigError, match="huge.toml: a value is too long to read"):
+        load_config(huge)
+    with pytest.raises(ConfigError, match="--set value .* too long to read"):
+        load_config(overrides=["train.lr=" + "1" * 5000])
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["sandbox.file_mb=0", "sandbox.cpu_s=-1", "sandbox.max_output_bytes=-5", "sandbox.timeout_s=1e9",
+     "sandbox.disk_mb=99999999999", "sandbox.pids=99999999", "sandbox.memory_mb=99999999999"],
+)  # fmt: skip
+def test_sandbox_limits_outside_what_the_kernel_takes_name_the_field(override):
+    with pytest.raises(ConfigError, match=f"config field `{override.split('=')[0]}`"):
+        load_config(overrides=[override])

@@ -215,20 +215,12 @@ def grade(
 
 
 def _load_config(config: Path | None, set_: list[str] | None) -> RunConfig:
-    """``load_config`` with what it lets escape as a traceback (``tandem.core.config`` reads the file as
-    text and its numbers with Python's digit limit) turned into one ``error:`` line naming the source."""
+    """``load_config`` with its refusals (bad values, a missing, non-UTF-8 or unreadable file, a number past
+    Python's digit limit: all ``ConfigError``) turned into one ``error:`` line."""
     try:
         return load_config(config, set_)
-    except TandemError as e:
+    except TandemError as e:  # also an unreadable file or value (core.config.load_config names it)
         _fail(str(e))
-    except UnicodeDecodeError as e:  # only the file: --set values arrive as str
-        _fail(
-            f"config file {config} is not UTF-8 text ({e.reason} at byte {e.start}); pass a UTF-8 TOML file"
-        )
-    except (ValueError, RecursionError) as e:  # an integer past sys.get_int_max_str_digits(), deep nesting
-        source = f"config file {config} or --set" if config is not None else "--set"
-        reason = str(e).split(":")[0] if isinstance(e, ValueError) else "nested too deeply"
-        _fail(f"{source}: a value is too long to read ({reason}); shorten it")
     raise AssertionError  # unreachable: _fail exits
 
 

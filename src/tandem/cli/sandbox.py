@@ -20,7 +20,7 @@ from typing import Annotated
 
 import typer
 
-from tandem.core.config import SandboxConfig
+from tandem.core.config import SANDBOX_MAX_MB, SANDBOX_MAX_PIDS, SANDBOX_MAX_TIMEOUT_S, SandboxConfig
 from tandem.core.errors import TandemError
 from tandem.sandbox import SandboxDiskFull, create_sandbox
 
@@ -42,9 +42,9 @@ def _fail(message: str) -> None:
 
 
 MOST: dict[str, tuple[int, str]] = {
-    "--timeout": (7 * 24 * 3600, "a week; longer overflowed the wait for the command"),
-    "--memory": (2**24, "16 TiB; bwrap and ulimit refused larger sizes mid-start"),
-    "--pids": (4_194_304, "the most processes Linux can have, PID_MAX_LIMIT; ulimit refused more"),
+    "--timeout": (SANDBOX_MAX_TIMEOUT_S, "a week; longer overflowed the wait for the command"),
+    "--memory": (SANDBOX_MAX_MB, "16 TiB; bwrap and ulimit refused larger sizes mid-start"),
+    "--pids": (SANDBOX_MAX_PIDS, "the most processes Linux can have, PID_MAX_LIMIT; ulimit refused more"),
 }
 """Largest value per option, and why; past it the sandbox failed to start with an unclear message."""
 

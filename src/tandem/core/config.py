@@ -65,20 +65,29 @@ class TaskConfig(Section):
     """Wall-clock limit per session in seconds."""
 
 
+SANDBOX_MAX_TIMEOUT_S = 7 * 24 * 3600
+"""Longest `sandbox.timeout_s` and `cpu_s` (a week): longer waits overflowed the wait for the command."""
+SANDBOX_MAX_MB = 2**24
+"""Largest sandbox size in MiB (`memory_mb`, `file_mb`, `disk_mb`; 16 TiB): bwrap and ulimit refused larger
+sizes while the sandbox started."""
+SANDBOX_MAX_PIDS = 4_194_304
+"""Most `sandbox.pids`: Linux's PID_MAX_LIMIT (ulimit refused more)."""
+
+
 class SandboxConfig(Section):
     backend: Literal["bwrap", "plain"] = "bwrap"
     """`bwrap` (bubblewrap: no network, read-only system) or `plain` (unisolated subprocess, opt-in only)."""
-    timeout_s: float = 10.0
+    timeout_s: float = Field(default=10.0, le=SANDBOX_MAX_TIMEOUT_S)
     """Wall-clock limit of one command; the whole process tree is killed at it (exit status 124)."""
-    memory_mb: int = 512
+    memory_mb: int = Field(default=512, le=SANDBOX_MAX_MB)
     """Memory limit (cgroup v1 where available, address-space rlimit always)."""
-    pids: int = 64
+    pids: int = Field(default=64, le=SANDBOX_MAX_PIDS)
     """Maximum processes (cgroup v1 pids where available, RLIMIT_NPROC otherwise)."""
-    cpu_s: int = 10
+    cpu_s: int = Field(default=10, ge=1, le=SANDBOX_MAX_TIMEOUT_S)
     """CPU-time rlimit in seconds."""
-    file_mb: int = 16
+    file_mb: int = Field(default=16, ge=1, le=SANDBOX_MAX_MB)
     """Largest file a command may write, in MiB."""
-    max_output_bytes: int = 16384
+    max_output_bytes: int = Field(default=16384, ge=1, le=2**30)
     """Stdout/stderr kept per command; the rest is cut with a visible marker."""
     workspace_mode: Literal["auto", "overlay", "copy"] = "auto"
     """How a sandbox gets its private workspace: `overlay` mounts a kernel overlayfs over a read-only layer
@@ -95,7 +104,7 @@ class SandboxConfig(Section):
     tmpfs, a memory cgroup caps the sandbox, and /dev/shm keeps half its size free after this sandbox's
     `memory_mb` (other programs, such as Ray's object store, use it too); disk otherwise. Copy-mode
     workspaces are always on disk."""
-    disk_mb: int = Field(default=1024, ge=1)
+    disk_mb: int = Field(default=1024, ge=1, le=SANDBOX_MAX_MB)
     """Most a sandbox's commands may write to disk, in MiB, where its private directory is on disk (`scratch`,
     and copy-mode workspaces): what they can write (an overlay's upper layer, or the copy) lives in an ext4
     filesystem of this size of its own (a sparse image file, loop-mounted; needs root), so a write past it
@@ -686,10 +695,21 @@ def model_is_moe(path: str | Path) -> bool | None:
 
 
 def _parse_value(raw: str) -> Any:
+    """A ``--set`` value as TOML (a number, bool, list, quoted string), else the raw text as a string."""
     try:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
+    except (ValueError, RecursionError) as e:
+        raise ConfigError(f"--set value {raw[:40]!r}...: {_unreadable(e)}") from None
+
+
+def _unreadable(e: ValueError | RecursionError) -> str:
+    """Why a TOML value parsed but cannot be read by Python: a number past its 4300-digit limit (a
+    ``ValueError``) or nesting past its recursion limit."""
+    if isinstance(e, RecursionError):
+        return "a value is nested too deeply to read; flatten it"
+    return f"a value is too long to read ({str(e).split(':')[0]}); shorten it"
 
 
 def _set_dotted(d: dict[str, Any], key: str, value: Any) -> None:
@@ -722,12 +742,20 @@ def load_config(
             data[k] = dict(v) if isinstance(v, dict) else v
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {p} is a directory; pass a TOML file")
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; pass an existing TOML file")
         try:
-            file_data = tomllib.loads(p.read_text())
+            file_data = tomllib.loads(p.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"config file {p} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8 TOML"
+            ) from None
+        except (ValueError, RecursionError) as e:
+            raise ConfigError(f"config file {p}: {_unreadable(e)}") from None
         for k, v in file_data.items():
             if isinstance(v, dict) and isinstance(data.get(k), dict):
                 data[k].update(v)
