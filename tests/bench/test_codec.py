@@ -26,5 +26,7 @@ def test_synthetic_workload_reports_every_key():
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="unknown workload 'nope'"):
         run_codec_bench(workloads=("nope",))
-    with pytest.raises(ValueError, match="size_gb must be > 0, got 0"):
+    with pytest.raises(ValueError, match=r"--size-gb must be >= 2\*\*-29 \(one parameter\), got 0"):
         run_codec_bench(size_gb=0)
+    with pytest.raises(ValueError, match=r"--size-gb must be >= 2\*\*-29 \(one parameter\), got 1e-300"):
+        run_codec_bench(size_gb=1e-300)  # no parameter at all: the optimizer refused an empty list

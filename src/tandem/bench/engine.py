@@ -15,6 +15,12 @@ both engines on the machine: ``tandem.engine.calibrate``), and ``threshold_picks
 without a measurement chooses (``engine.vllm_from_params``), with ``threshold_picks_faster`` whether that is
 the one of the two with more tokens/s here (None unless both ran).
 This is the one place that changes global torch settings (threads), restored on return.
+
+Before any model is built, ``check_args`` refuses (``BenchInputError``, naming the option) counts < 1,
+thread counts outside 1..4 per CPU, more than ``limits.MAX_REPEATS`` rounds, ``prompt_len + new_tokens``
+beyond a model's context (``max_position_embeddings``; 256 for ``smoke``), and a batch whose KV caches
+(one per engine asked for, ``batch x (prompt_len + new_tokens)`` tokens each) exceed the memory
+available (``tandem.bench.limits``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from tandem.bench import limits
 from tandem.core.config import EngineConfig
 from tandem.engine.builtin import BuiltinEngine
 from tandem.engine.calibrate import decode_seconds
@@ -146,6 +153,39 @@ def _tps(results: list[dict[str, Any]], engine: str) -> float:
     return next(r["tokens_per_s"] for r in results if r["engine"] == engine)
 
 
+def _configs(model_path: str | None, sizes: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Name -> model config of every model the run builds or loads (``_random_model``: vocab 4096)."""
+    if model_path is not None:
+        return {Path(model_path).name: limits.read_config(model_path)}
+    from tandem.model.build import SIZES as PRESETS
+
+    return {size: {**PRESETS[size], "vocab_size": 4096} for size in sizes}
+
+
+def check_args(
+    model_path: str | None, sizes: tuple[str, ...], engines: tuple[str, ...], batch: int, new_tokens: int,
+    prompt_len: int, threads: int, repeats: int,
+) -> None:  # fmt: skip
+    """Raise ``BenchInputError`` naming the first option out of range (module docstring), else nothing."""
+    limits.require(
+        limits.at_least("--batch", batch),
+        limits.at_least("--new-tokens", new_tokens),
+        limits.at_least("--prompt-len", prompt_len),
+        limits.threads(threads),
+        limits.repeats(repeats),
+    )
+    seq = prompt_len + new_tokens
+    for name, config in _configs(model_path, sizes).items():
+        holder = f"model {name!r} (max_position_embeddings)"
+        limits.require(
+            limits.fits_context(("--prompt-len", "--new-tokens"), seq, limits.context_of(config), holder)
+        )
+        # every engine holds one at once: fp32 like the model, vLLM's at least bf16
+        kv = sum(batch * seq * limits.kv_bytes_per_token(config, 2 if e == "vllm" else 4) for e in engines)
+        what = f"a KV cache of --batch x {seq} tokens in each of {len(engines)} engine(s), model {name!r}"
+        limits.require(limits.fits_memory(("--batch",), kv, what))
+
+
 def run(
     model_path: str | None = None,
     sizes: tuple[str, ...] = SIZES,
@@ -161,6 +201,7 @@ def run(
     unknown = [e for e in engines if e not in ENGINES]
     if unknown:
         raise ValueError(f"engines: {unknown[0]!r} is unknown; choose from {', '.join(ENGINES)}")
+    check_args(model_path, sizes, engines, batch, new_tokens, prompt_len, threads, repeats)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     out_sizes: list[dict[str, Any]] = []

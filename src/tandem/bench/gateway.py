@@ -34,6 +34,12 @@ turn), so both sides start each turn as one batch; what remains is the engine id
 the responses go out and the next requests come back. Before the engine gathered, it started the first
 arrivals at once, and their decode steps slowed the server still answering the rest (about 100-200 ms of
 spread per boundary instead of 50-60). More tokens per turn (``max_tokens``) amortise all of it.
+
+Before the engine starts, ``check_args`` refuses (``BenchInputError``, naming the option) counts < 1, more
+than ``limits.MAX_REPEATS`` rounds, thread counts outside 1..4 per CPU, more client processes than 4 per CPU
+or than sessions, sessions whose KV cache (``2 x sessions`` slots of ``MAX_SEQ_LEN`` tokens: every session
+is parked between turns) exceeds the memory available, and sessions whose longest context (prompt, every
+turn's tokens, the tool messages; ``_longest_context``) exceeds ``MAX_SEQ_LEN`` or the model's context.
 """
 
 from __future__ import annotations
@@ -48,12 +54,15 @@ from typing import Any
 
 import torch
 
+from tandem.bench import limits
 from tandem.core.config import EngineConfig, TaskConfig
 from tandem.core.generation import GenerationRequest, SamplingParams
 from tandem.core.procs import cpu_ticks, freeze_heap, gc_freeze_enabled, steal_fraction, thaw_heap
 from tandem.engine.front import RequestFront
 
 ENGINES = ("auto", "builtin", "vllm")
+MAX_SEQ_LEN = 1024
+"""The engine's context per session (``EngineConfig.max_seq_len``) on both sides."""
 
 TOOL_RESULT = "exit 0\nstdout:\n2 passed, 0 failed (round {r}, session {i}, turn {t})\n"
 
@@ -227,6 +236,53 @@ def _gateway_round(clients: list[_Client], spec: dict[str, Any]) -> dict[str, An
     }
 
 
+def _longest_context(chat: Any, sessions: int, turns: int, max_tokens: int, repeats: int) -> int:
+    """Tokens of the longest session context of the last round of each side (their round numbers have the
+    most digits): the rendered prompt, ``max_tokens`` per turn, and per later turn an end-of-turn token and
+    the rendered tool message."""
+    longest = 0
+    for r in (2 * repeats, 2 * repeats + 1):
+        opening, tools = _workload(sessions, r)
+        for i, messages in enumerate(opening):
+            n = len(chat.render_prompt(messages, tools)) + turns * max_tokens
+            for t in range(1, turns):
+                tool = {"role": "tool", "content": TOOL_RESULT.format(r=r, i=i, t=t)}
+                n += 1 + len(chat.render_continuation([tool]))
+            longest = max(longest, n)
+    return longest
+
+
+def check_args(
+    model_path: str, sessions: int, turns: int, max_tokens: int, threads: int, repeats: int,
+    client_procs: int, engine_kind: str = "builtin",
+) -> None:  # fmt: skip
+    """Raise ``BenchInputError`` naming the first option out of range (module docstring), else nothing."""
+    limits.require(
+        limits.at_least("--sessions", sessions),
+        limits.at_least("--turns", turns),
+        limits.at_least("--max-tokens", max_tokens),
+        limits.repeats(repeats),
+        limits.threads(threads),
+        limits.processes("--client-procs", client_procs),
+    )
+    if client_procs > sessions:
+        raise limits.BenchInputError(
+            f"--client-procs must be <= --sessions (each client process runs sessions of its own), got "
+            f"client_procs={client_procs} with sessions={sessions}"
+        )
+    config = limits.read_config(model_path)
+    elem = 4 if engine_kind == "builtin" else 2  # the built-in engine's cache is fp32, vLLM's at least bf16
+    kv = 2 * sessions * MAX_SEQ_LEN * limits.kv_bytes_per_token(config, elem)
+    what = f"the KV cache of 2 x --sessions slots of {MAX_SEQ_LEN} tokens"
+    limits.require(limits.fits_memory(("--sessions",), kv, what))
+    from tandem.model import load_chat_format
+
+    limit = min(MAX_SEQ_LEN, limits.context_of(config))
+    needed = _longest_context(load_chat_format(model_path), sessions, turns, max_tokens, repeats)
+    holder = "the engine (max_seq_len, at most the model's max_position_embeddings)"
+    limits.require(limits.fits_context(("--turns", "--max-tokens"), needed, limit, holder))
+
+
 def run_gateway_bench(
     model_path: str = "models/tandem-base",
     sessions: int = 32,
@@ -238,21 +294,17 @@ def run_gateway_bench(
     engine_kind: str = "auto",
 ) -> dict[str, Any]:
     """Run both sides (see module docstring) and return the benchmark's JSON object."""
-    if min(sessions, turns, max_tokens, repeats, client_procs) < 1 or client_procs > sessions:
-        raise ValueError(
-            f"sessions, turns, max_tokens, repeats and client_procs must be >= 1 (client_procs <= sessions), "
-            f"got {sessions}, {turns}, {max_tokens}, {repeats}, {client_procs}"
-        )
     gc_freeze_enabled()  # a bad TANDEM_GC_FREEZE is a ValueError before anything starts
     if engine_kind not in ENGINES:
         raise ValueError(f"engine {engine_kind!r} is unknown; choose one of {', '.join(ENGINES)}")
+    check_args(model_path, sessions, turns, max_tokens, threads, repeats, client_procs, engine_kind)
     from tandem.engine import create_engine
     from tandem.engine.choice import choose_engine
     from tandem.engine.gateway import GatewayConfig, GatewayServer, create_app
     from tandem.model import load_chat_format
 
     cfg = EngineConfig(
-        kind=engine_kind, max_batch=sessions, max_seq_len=1024, max_parked=sessions, threads=threads
+        kind=engine_kind, max_batch=sessions, max_seq_len=MAX_SEQ_LEN, max_parked=sessions, threads=threads
     )
     kind, engine_reason = choose_engine(cfg, model_path)
     if kind == "vllm":

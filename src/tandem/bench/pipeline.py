@@ -10,6 +10,9 @@ grading, Ray) and ``core_s_per_sample`` that divided by samples/s. ``speedup_cap
 sync.machine_busy_cores`` is the speedup async would reach if it kept every core busy at sync's CPU cost per
 sample; work that costs more CPU when it shares the cores (async's ``core_s_per_sample`` above sync's) keeps
 async below it. Both are None where ``/proc/stat`` cannot be read.
+
+``check_run_root`` creates ``run_root`` or refuses it (``BenchInputError``) before the engine is resolved
+(which may measure engines) or Ray starts.
 """
 
 from __future__ import annotations
@@ -19,7 +22,25 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tandem.bench.limits import BenchInputError
 from tandem.core.config import RunConfig
+
+
+def check_run_root(run_root: Path | None) -> None:
+    """Create ``run_root`` (None: nothing to do) or raise ``BenchInputError`` saying why it cannot hold the
+    two runs: an existing non-directory, a directory that cannot be created or is not writable."""
+    if run_root is None:
+        return
+    if run_root.exists() and not run_root.is_dir():
+        raise BenchInputError(f"--run-root {str(run_root)!r} is not a directory; pass a directory")
+    try:
+        run_root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise BenchInputError(
+            f"--run-root {str(run_root)!r} cannot be created ({e.strerror or e}); pass a writable directory"
+        ) from None
+    if not os.access(run_root, os.W_OK | os.X_OK):
+        raise BenchInputError(f"--run-root {str(run_root)!r} is not writable; pass a writable directory")
 
 
 def run(cfg: RunConfig, budget_s: float = 150.0, run_root: Path | None = None) -> dict[str, Any]:
@@ -28,6 +49,7 @@ def run(cfg: RunConfig, budget_s: float = 150.0, run_root: Path | None = None) -
     from tandem.engine.choice import resolve_run_engine
     from tandem.orchestrator import eval_model, train
 
+    check_run_root(run_root)
     root = Path(run_root or tempfile.mkdtemp(prefix="tandem-bench-pipeline-"))
     cfg, reason = resolve_run_engine(cfg)  # both modes on the same engine
     out: dict[str, Any] = {"budget_s": budget_s, "run_dir": str(root), "engine": cfg.engine.kind}

@@ -22,6 +22,11 @@ same concurrency):
 
 Invariants: the workspaces are generated in a temporary directory and deleted; every sandbox is closed; the
 machine's other load is not controlled, so compare values from the same run only.
+
+Before anything is written, ``check_args`` refuses (``BenchInputError``, naming the option) a burst of more
+than ``MAX_BURST`` sandboxes (the burst queues one job per sandbox up front), more sandboxes at a time than 4
+per CPU, a pool of more than ``MAX_POOL``, and a ``big_mb`` whose copies do not fit the free space of the
+temp dir (``disk_needed``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from tandem.bench import limits
 from tandem.core.config import SandboxConfig
 from tandem.sandbox import SandboxPool, WorkspaceTemplate, create_sandbox, drain_reaper
 from tandem.sandbox.bwrap import SYSTEM_PYTHON, sandbox_python
@@ -44,6 +50,13 @@ from tandem.sandbox.limits import agent_uid
 
 COMMAND = "import os; print(len(os.listdir('.')))"
 FILE_BYTES = 256 * 1024
+MIB = 2**20
+MAX_BURST = 100_000
+"""Most sandboxes in one burst: every one is queued as a job before the first runs, and at tens of sandboxes
+a second 100000 already take about an hour."""
+MAX_POOL = 1024
+"""Most ready sandboxes in the warm pool: each holds a private directory, an overlay mount and cgroups, and
+the pool starts building them all before the burst; 1024 is over a hundred times the default (8)."""
 
 
 def make_workspace(root: Path, mb: int) -> Path:
@@ -116,6 +129,32 @@ def _rss_mb_per_sandbox(workspace: Path, config: SandboxConfig, k: int) -> float
             b.close()
 
 
+def disk_needed(big_mb: int, overlay: bool, at_once: int) -> int:
+    """Least bytes the run writes to the temp dir: the 1 MiB and ``big_mb`` MiB workspaces, and per big one
+    with overlays its shared layer and one copy-mode clone, else (every sandbox a copy) ``at_once`` live
+    copies and the copy-mode clone."""
+    copies = 2 if overlay else at_once + 1
+    return (1 + copies) * big_mb * MIB + 2 * MIB
+
+
+def check_args(
+    n: int, concurrency: int, pool_size: int, big_mb: int, config: SandboxConfig, rss_sandboxes: int = 0
+) -> None:
+    """Raise ``BenchInputError`` naming the first option out of range (module docstring), else nothing."""
+    limits.require(
+        limits.in_range("--n", n, 1, MAX_BURST, "the burst queues every sandbox up front; pass e.g. 200"),
+        limits.processes("--concurrency", concurrency),
+        limits.in_range("--pool-size", pool_size, 0, MAX_POOL, "each ready sandbox holds mounts and cgroups"),
+        limits.at_least("--big-mb", big_mb, 2, "the small workspace is 1 MiB"),
+    )
+    from tandem.sandbox.overlay import overlay_available
+
+    overlay = config.workspace_mode != "copy" and overlay_available()
+    need = disk_needed(big_mb, overlay, max(concurrency + pool_size, rss_sandboxes))
+    what = "the workspace, its shared layer and a copy" if overlay else "the workspace and a copy per sandbox"
+    limits.require(limits.fits_disk("--big-mb", Path(tempfile.gettempdir()), need, what))
+
+
 def run_sandbox_bench(
     n: int = 200,
     concurrency: int = 4,
@@ -126,12 +165,10 @@ def run_sandbox_bench(
     scratch: str = "auto",
 ) -> dict[str, Any]:
     """Run the benchmark (see module docstring) and return its JSON object."""
-    for name, value in (("n", n), ("concurrency", concurrency), ("clone_repeats", clone_repeats)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    if big_mb < 2:
-        raise ValueError(f"big_mb must be >= 2 (the small workspace is 1 MB), got {big_mb}")
+    if clone_repeats < 1:
+        raise ValueError(f"clone_repeats must be >= 1, got {clone_repeats}")
     config = SandboxConfig(timeout_s=60.0, scratch=scratch)
+    check_args(n, concurrency, pool_size, big_mb, config, rss_sandboxes)
     prefix = sandbox_python(agent_uid(config))
     python = str(prefix / "bin" / "python3") if prefix is not None else str(SYSTEM_PYTHON)
     tmp = Path(tempfile.mkdtemp(prefix="tandem-bench-sandbox-"))

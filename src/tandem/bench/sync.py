@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from tandem.bench import limits
 from tandem.core.config import EngineConfig
 from tandem.core.procs import freeze_heap, gc_freeze_enabled, thaw_heap
 from tandem.orchestrator.actors import HostLeaderActor, RelayActor
@@ -70,6 +71,12 @@ from tandem.weights.hostshare import default_share_root
 SIZES = ("100m", "default")
 DEFAULT_LR = {"100m": 1e-6, "default": 2e-6}
 """Per-size learning rate of the trainer steps that make the versions (about 1-2% of bf16 weights change)."""
+BANDWIDTH_MBPS = (0.01, 1e6)
+"""Link rates the benchmark takes, Mbit/s: below 0.01 the first full version alone takes over 2.5 hours
+through each relay (the shipped model; about 2 days for 100m; at 1e-300 the token bucket sleeps forever);
+above 1e6 (1 Tbit/s) the throttle is faster than the loopback the relays use (and from about 1.8e302 the rate
+in bytes/s overflows to infinity, which the relay actors refuse mid-start)."""
+BANDWIDTH_WHY = "slower takes hours per version through a relay, faster no longer throttles"
 
 
 @ray.remote(num_cpus=0)
@@ -158,6 +165,42 @@ def _model_dir(size: str, shipped: str, root: Path) -> str:
     return str(out)
 
 
+def check_args(
+    model_path: str, relays: int, engines: int, bandwidth_mbps: float, deltas: int, lr: float | None,
+    warmup: int, size: str, warmup_deltas: int, busy_engines: int,
+) -> None:  # fmt: skip
+    """Raise ``ValueError`` (``BenchInputError``) naming the first argument out of range, before anything is
+    built: relays and engines are processes (at most 4 per CPU, ``tandem.bench.limits``), the learning rate
+    in (0, 1], the bandwidth in ``BANDWIDTH_MBPS``, and the ``warmup + warmup_deltas + deltas + 1``
+    versions the run keeps in memory (bf16) must fit the memory available."""
+    limits.require(
+        limits.processes("--relays", relays),
+        limits.processes("--engines", engines),
+        limits.learning_rate("--lr", lr),
+    )
+    if deltas < 1 or not 0 < bandwidth_mbps < math.inf or warmup_deltas < 0:  # NaN fails: ran unthrottled
+        raise limits.BenchInputError(
+            "deltas must be >= 1, warmup_deltas >= 0 and bandwidth_mbps finite and > 0; got "
+            f"deltas={limits.shown(deltas)}, warmup_deltas={limits.shown(warmup_deltas)}, "
+            f"bandwidth_mbps={bandwidth_mbps}"
+        )
+    limits.require(limits.in_range("--bandwidth-mbps", bandwidth_mbps, *BANDWIDTH_MBPS, BANDWIDTH_WHY))
+    if not 1 <= busy_engines <= engines:
+        shown = limits.shown(busy_engines)
+        raise limits.BenchInputError(f"busy_engines={shown} must be in [1, engines={engines}]")
+    if size not in SIZES:
+        raise limits.BenchInputError(f"size {size!r} is not one of {list(SIZES)}")
+    if size == "default":
+        params = limits.params_on_disk(model_path)
+    else:
+        from tandem.model.build import SIZES as PRESETS
+
+        params = limits.dense_params(PRESETS[size], int(limits.read_config(model_path)["vocab_size"]))
+    kept = (warmup + warmup_deltas + deltas + 1) * 2 * params
+    what = f"--warmup-deltas + --deltas + 1 bf16 versions of the {size} model, kept for the run"
+    limits.require(limits.fits_memory(("--deltas", "--warmup-deltas"), kept, what))
+
+
 def run_sync_bench(
     model_path: str,
     relays: int = 2,
@@ -177,31 +220,23 @@ def run_sync_bench(
     from tandem.weights import WeightStore, serve_store
     from tandem.weights.publish import WeightPublisher
 
-    finite_bandwidth = 0 < bandwidth_mbps < math.inf  # NaN fails both: it ran unthrottled before
-    if relays < 1 or engines < 1 or deltas < 1 or not finite_bandwidth or warmup_deltas < 0:
-        raise ValueError(
-            "relays, engines and deltas must be >= 1, warmup_deltas >= 0 and bandwidth_mbps finite and > 0; "
-            "got "
-            f"relays={relays}, engines={engines}, deltas={deltas}, warmup_deltas={warmup_deltas}, "
-            f"bandwidth_mbps={bandwidth_mbps}"
-        )
+    args = (relays, engines, bandwidth_mbps, deltas, lr, warmup, size, warmup_deltas, busy_engines)
+    check_args(model_path, *args)
     gc_freeze_enabled()  # a bad TANDEM_GC_FREEZE is a ValueError before anything starts
-    if not 1 <= busy_engines <= engines:
-        raise ValueError(f"busy_engines={busy_engines} must be in [1, engines={engines}]")
-    if size not in SIZES:
-        raise ValueError(f"size {size!r} is not one of {list(SIZES)}")
     lr = DEFAULT_LR[size] if lr is None else lr
-    root = Path(tempfile.mkdtemp(prefix="tandem-bench-sync-"))
-    share = tempfile.mkdtemp(prefix="tandem-bench-share-", dir=default_share_root()) if host_share else None
-    model_path = _model_dir(size, model_path, root)
-    versions = _versions(model_path, warmup_deltas + deltas, lr, warmup)
-    if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     own_nice = os.getpriority(os.PRIO_PROCESS, 0)
     actors: list[Any] = []
     stores: list[Any] = []
     servers: list[Any] = []
-    try:
+    root = Path(tempfile.mkdtemp(prefix="tandem-bench-sync-"))
+    share: str | None = None
+    try:  # from here on the finally removes the temporary directories, whatever fails
+        if host_share:
+            share = tempfile.mkdtemp(prefix="tandem-bench-share-", dir=default_share_root())
+        model_path = _model_dir(size, model_path, root)
+        versions = _versions(model_path, warmup_deltas + deltas, lr, warmup)
+        if not ray.is_initialized():
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         eng = [_BenchEngine.remote(model_path) for _ in range(engines)]
         actors += eng
         # The trainer side (publisher, store servers) runs in this thread and the threads it starts, at the

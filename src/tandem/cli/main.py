@@ -59,13 +59,17 @@ def build_config(preset: str | None, config: Path | None, overrides: list[str] |
     return cfg
 
 
-def check_model_path(path: str) -> None:
+def check_model_path(path: str, fix: str = "pass --set model.path=DIR") -> None:
+    """Fail unless ``path`` is a model directory; ``fix`` says which option takes another one."""
     p = Path(path)
     if not p.is_dir() or not (p / "config.json").is_file():
         fail(
             f"model path {path!r} is not a model directory (needs config.json and tokenizer files); "
-            f"pass --set model.path=DIR or build one with `tandem midtrain`"
+            f"{fix} or build one with `tandem midtrain`"
         )
+
+
+BENCH_MODEL_FIX = "pass --model DIR"
 
 
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config field: key=value.")]
@@ -165,7 +169,10 @@ def bench_pipeline(
     check_model_path(cfg.model.path)
     from tandem.bench.pipeline import run
 
-    out = run(cfg, budget_s, run_root)
+    try:
+        out = run(cfg, budget_s, run_root)
+    except (TandemError, ValueError) as e:
+        fail(str(e))
     typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
 
 
@@ -204,22 +211,23 @@ def bench_engine(
             fail(f"--engines: {name!r} is unknown; choose from {', '.join(ENGINES)}")
     if not engine_list or (model is None and not size_list):
         fail("--engines and --sizes need at least one entry each")
-    if min(batch, new_tokens, prompt_len, threads, repeats) < 1:
-        fail("--batch, --new-tokens, --prompt-len, --threads and --repeats must be >= 1")
     path = None
     if model is not None:
         path = resolve_model_path(model)
-        check_model_path(path)
-    out = run(
-        path,
-        sizes=size_list,
-        engines=engine_list,
-        batch=batch,
-        new_tokens=new_tokens,
-        prompt_len=prompt_len,
-        threads=threads,
-        repeats=repeats,
-    )
+        check_model_path(path, BENCH_MODEL_FIX)
+    try:  # counts, --prompt-len against the context, memory: checked before any model is built
+        out = run(
+            path,
+            sizes=size_list,
+            engines=engine_list,
+            batch=batch,
+            new_tokens=new_tokens,
+            prompt_len=prompt_len,
+            threads=threads,
+            repeats=repeats,
+        )
+    except (TandemError, ValueError) as e:
+        fail(str(e))
     typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
 
 
@@ -232,13 +240,14 @@ def bench_prefix(
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Engine with and without per-session prefix reuse on the same multi-turn workload."""
-    if sessions < 1 or turns < 1:
-        fail(f"--sessions and --turns must be >= 1, got {sessions} and {turns}")
     path = resolve_model_path(model)
-    check_model_path(path)
+    check_model_path(path, BENCH_MODEL_FIX)
     from tandem.bench.prefix import run
 
-    out = run(path, sessions=sessions, turns=turns, threads=threads)
+    try:  # counts, threads, the context and memory: checked before the model loads
+        out = run(path, sessions=sessions, turns=turns, threads=threads)
+    except (TandemError, ValueError) as e:
+        fail(str(e))
     typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
 
 
@@ -269,13 +278,13 @@ def bench_codec(
     chosen = tuple(workload or WORKLOADS)
     path = resolve_model_path(model)
     if "tandem_train" in chosen:
-        check_model_path(path)
+        check_model_path(path, BENCH_MODEL_FIX)
     try:
         out = run_codec_bench(
             size_gb=size_gb, model_path=path, steps=steps, warmup=warmup, threads=threads,
             repeats=repeats, train_lr=train_lr, workloads=chosen,
         )  # fmt: skip
-    except ValueError as e:
+    except (TandemError, ValueError) as e:
         fail(str(e))
     typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
 
@@ -320,7 +329,7 @@ def bench_sync(
 ) -> None:
     """Publish -> relays -> engines: time to serve a new version as a delta vs as a full checkpoint."""
     path = resolve_model_path(model)
-    check_model_path(path)
+    check_model_path(path, BENCH_MODEL_FIX)
     from tandem.bench.sync import run_sync_bench
 
     try:
@@ -337,7 +346,7 @@ def bench_sync(
             host_leader=host_leader,
             busy_engines=busy_engines,
         )
-    except ValueError as e:
+    except (TandemError, ValueError) as e:
         fail(str(e))
     typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
 
@@ -356,11 +365,6 @@ def bench_sandbox(
     """A burst of sandboxes on copy-on-write clones of a 100 MB workspace vs the same command unsandboxed."""
     from tandem.bench.sandbox import run_sandbox_bench
 
-    for flag, value, low in (("--n", n, 1), ("--concurrency", concurrency, 1), ("--pool-size", pool_size, 0)):
-        if value < low:
-            fail(f"{flag} must be >= {low}, got {value}")
-    if big_mb < 2:
-        fail(f"--big-mb must be >= 2 (the small workspace is 1 MB), got {big_mb}")
     if scratch not in ("auto", "tmpfs", "disk"):
         fail(f"--scratch must be auto, tmpfs or disk, got {scratch!r}")
     try:
@@ -388,7 +392,7 @@ def bench_gateway(
 ) -> None:
     """The OpenAI gateway (official openai client, real HTTP) vs the same engine called in-process."""
     path = resolve_model_path(model)
-    check_model_path(path)
+    check_model_path(path, BENCH_MODEL_FIX)
     from tandem.bench.gateway import run_gateway_bench
 
     try:
@@ -402,7 +406,7 @@ def bench_gateway(
             client_procs=client_procs,
             engine_kind=engine,
         )
-    except ValueError as e:
+    except (TandemError, ValueError) as e:
         fail(str(e))
     typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
 
@@ -424,17 +428,8 @@ def bench_mismatch(
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Sampler-vs-trainer mismatch (kl_k3, max |dlogp|), MoE routing agreement and slowdown per mode."""
-    if prompts < 2 or prompts % 2:
-        fail(f"--prompts must be an even number >= 2 (pairs form groups of two), got {prompts}")
-    sizes = {"--prompt-len": prompt_len, "--new-tokens": new_tokens, "--threads": threads}
-    sizes["--repeats"] = repeats
-    for flag, value in sizes.items():
-        if value < 1:
-            fail(f"{flag} must be >= 1, got {value}")
-    if publish not in ("bfloat16", "float32"):
-        fail(f"--publish must be bfloat16 or float32, got {publish!r}")
     path = resolve_model_path(model)
-    check_model_path(path)
+    check_model_path(path, BENCH_MODEL_FIX)
     from tandem.bench.mismatch import run_mismatch_bench
 
     try:
@@ -448,7 +443,7 @@ def bench_mismatch(
             publish_dtype=publish,
             repeats=repeats,
         )
-    except ValueError as e:
+    except (TandemError, ValueError) as e:
         fail(str(e))
     typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
 
