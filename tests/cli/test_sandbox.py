@@ -81,11 +81,18 @@ def test_bad_limits_exit_2_naming_the_flag(tmp_path: Path, flag: str, value: str
         ("--timeout", "1e300", "--timeout must be <= 604800"),  # was an OverflowError traceback
         ("--memory", "9999999999999", "--memory must be <= 16777216"),  # was bwrap's "--size ... is limited"
         ("--pids", "99999999", "--pids must be <= 4194304"),  # was exit 125 "ulimit: ... cannot modify limit"
+        ("--memory", "8", "--memory must be at least 16 MB"),  # was "libm.so.6: failed to map segment"
     ],
 )
 def test_limits_past_what_the_kernel_takes_exit_2(tmp_path: Path, flag: str, value: str, needle: str) -> None:
     r = runner.invoke(app, ["run", "--workspace", str(tmp_path), flag, value, "--", "true"])
     assert r.exit_code == 2 and r.stderr.startswith(f"error: {needle}"), r.output
+
+
+def test_an_unknown_option_is_refused_not_run_as_the_command(tmp_path: Path) -> None:
+    """Before: `--memroy 64 -- true` ran `--memroy` in the sandbox (exit 127, "--memroy: not found")."""
+    r = runner.invoke(app, ["run", "--workspace", str(tmp_path), "--memroy", "64", "--", "true"])
+    assert r.exit_code == 2 and r.stderr.startswith("error: no such option '--memroy'"), r.output
 
 
 def test_workspace_with_a_named_pipe_exits_2_naming_it(tmp_path: Path) -> None:

@@ -100,7 +100,8 @@ def test_unreadable_files_and_values_are_config_errors(tmp_path):
 @pytest.mark.parametrize(
     "override",
     ["sandbox.file_mb=0", "sandbox.cpu_s=-1", "sandbox.max_output_bytes=-5", "sandbox.timeout_s=1e9",
-     "sandbox.disk_mb=99999999999", "sandbox.pids=99999999", "sandbox.memory_mb=99999999999"],
+     "sandbox.disk_mb=99999999999", "sandbox.pids=99999999", "sandbox.memory_mb=99999999999",
+     "sandbox.memory_mb=8", "sandbox.pids=0", "sandbox.timeout_s=0"],
 )  # fmt: skip
 def test_sandbox_limits_outside_what_the_kernel_takes_name_the_field(override):
     with pytest.raises(ConfigError, match=f"config field `{override.split('=')[0]}`"):

@@ -60,7 +60,7 @@ def test_load_model_and_chat_format(model_dir):
 
 
 def test_missing_dir(tmp_path):
-    with pytest.raises(ModelLoadError, match="does not exist.*--set model.path=DIR"):
+    with pytest.raises(ModelLoadError, match="does not exist.*--model .*--set model.path=DIR"):
         load_model(tmp_path / "nope")
 
 

@@ -223,3 +223,19 @@ def test_unwritable_out_is_a_named_error_and_writes_nothing(tmp_path: Path) -> N
     _fails([str(a), str(b), "--out", str(blocked)], str(blocked / "compare.md"), "is a directory")
     assert sorted(p.name for p in blocked.iterdir()) == ["compare.md"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_a_label_with_a_pipe_stays_in_its_cell(tmp_path: Path) -> None:
+    """Before: `--label 'lr|0.1'` split its table row into one cell too many (every column shifted)."""
+    a, b = _write_run(tmp_path / "a|x", "off"), _write_run(tmp_path / "b", "r3")
+    out = tmp_path / "cmp"
+    res = runner.invoke(
+        app, ["compare", str(a), str(b), "--out", str(out), "--label", "lr|0.1", "--label", "B"]
+    )
+    assert res.exit_code == 0, res.output
+    md = (out / "compare.md").read_text()
+    rows = [x for x in md.splitlines() if x.startswith("| ")]
+    cells = [len(re.split(r"(?<!\\)\|", row.strip().strip("|"))) for row in rows]
+    assert len(rows) == 3 and len(set(cells)) == 1, rows  # header, "lr|0.1", "B": the same column count
+    assert rows[1].startswith("| lr\\|0.1 | `") and "a\\|x`" in rows[1]
+    assert "lr\\|0.1: " in md  # the config differences name it escaped too

@@ -75,6 +75,14 @@ def test_resume_continues_the_same_trajectory(tmp_path):
     full = run_midtrain("smoke", tmp_path / "full", threads=1, progress=False)
     part = run_midtrain("smoke", tmp_path / "part", threads=1, stop_after=3, progress=False)
     assert not part["finished"] and (tmp_path / "part" / "checkpoint" / "state.pt").is_file()
+    metrics = tmp_path / "part" / "metrics.jsonl"
+    good = metrics.read_text()
+    rows = good.splitlines()
+    metrics.write_text("\n".join([rows[0], "{not json", *rows[1:]]) + "\n")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl line 2 is not a metrics row"):
+        run_midtrain("smoke", tmp_path / "part", resume=True, threads=1, progress=False)
+    assert metrics.read_text().splitlines()[1] == "{not json"  # refused before anything was rewritten
+    metrics.write_text(good + '{"step": 4, "lo')  # a line torn by the interruption is dropped
     resumed = run_midtrain("smoke", tmp_path / "part", resume=True, threads=1, progress=False)
     assert resumed["finished"]
 

@@ -152,6 +152,10 @@ def eval_(
             typer.echo(f"{key}: {result[key]}")
 
 
+PIPELINE_MAX_BUDGET_S = 7 * 24 * 3600
+"""Longest `bench pipeline --budget-s` (a week; each mode runs that long, so more is a typo)."""
+
+
 @bench_app.command("pipeline")
 def bench_pipeline(
     budget_s: Annotated[float, typer.Option(help="Wall-clock training budget per mode, seconds.")] = 150.0,
@@ -163,8 +167,11 @@ def bench_pipeline(
 ) -> None:
     """Sync vs async for the same wall-clock budget: samples/s, busy fractions, held-out pass@1, and the
     machine's busy cores per mode with the speedup that many cores allow (speedup_cap)."""
-    if not 0 < budget_s < math.inf:
-        fail(f"--budget-s must be a finite number of seconds > 0, got {budget_s}")
+    if not 0 < budget_s <= PIPELINE_MAX_BUDGET_S:
+        fail(
+            f"--budget-s must be a number of seconds > 0 and at most a week ({PIPELINE_MAX_BUDGET_S}), "
+            f"got {budget_s}"
+        )
     cfg = build_config(preset if preset or config else "default", config, set_)
     check_model_path(cfg.model.path)
     from tandem.bench.pipeline import run

@@ -20,7 +20,13 @@ from typing import Annotated
 
 import typer
 
-from tandem.core.config import SANDBOX_MAX_MB, SANDBOX_MAX_PIDS, SANDBOX_MAX_TIMEOUT_S, SandboxConfig
+from tandem.core.config import (
+    SANDBOX_MAX_MB,
+    SANDBOX_MAX_PIDS,
+    SANDBOX_MAX_TIMEOUT_S,
+    SANDBOX_MIN_MEMORY_MB,
+    SandboxConfig,
+)
 from tandem.core.errors import TandemError
 from tandem.sandbox import SandboxDiskFull, create_sandbox
 
@@ -118,6 +124,8 @@ def run(
     if not cmd:
         _fail("no command given; pass it after `--`, e.g. `tandem sandbox run --workspace . -- python3 -V`")
     assert cmd is not None
+    if cmd[0].startswith("-"):  # an option this command does not know, taken as the command's start
+        _fail(f"no such option {cmd[0]!r}; see `tandem sandbox run --help`, and put the command after `--`")
     if backend not in ("bwrap", "plain"):
         _fail(f"--backend {backend!r} is unknown; choose bwrap or plain")
     config = SandboxConfig(backend=backend)  # type: ignore[arg-type]
@@ -134,6 +142,11 @@ def run(
         if value is not None:
             if value <= 0:
                 _fail(f"{flag} must be a positive integer, got {value}")
+            if flag == "--memory" and value < SANDBOX_MIN_MEMORY_MB:
+                _fail(
+                    f"--memory must be at least {SANDBOX_MIN_MEMORY_MB} MB (below it sh and python3 cannot "
+                    f"load their libraries), got {value}"
+                )
             _check_most(flag, value)
             setattr(config, name, value)
     try:

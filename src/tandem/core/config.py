@@ -70,6 +70,9 @@ SANDBOX_MAX_TIMEOUT_S = 7 * 24 * 3600
 SANDBOX_MAX_MB = 2**24
 """Largest sandbox size in MiB (`memory_mb`, `file_mb`, `disk_mb`; 16 TiB): bwrap and ulimit refused larger
 sizes while the sandbox started."""
+SANDBOX_MIN_MEMORY_MB = 16
+"""Least `sandbox.memory_mb`: below it the address-space limit stops ``sh`` and ``python3`` from loading
+their shared libraries (seen at 8 MB: "failed to map segment"; a segfault at 4), so nothing runs."""
 SANDBOX_MAX_PIDS = 4_194_304
 """Most `sandbox.pids`: Linux's PID_MAX_LIMIT (ulimit refused more)."""
 
@@ -77,11 +80,11 @@ SANDBOX_MAX_PIDS = 4_194_304
 class SandboxConfig(Section):
     backend: Literal["bwrap", "plain"] = "bwrap"
     """`bwrap` (bubblewrap: no network, read-only system) or `plain` (unisolated subprocess, opt-in only)."""
-    timeout_s: float = Field(default=10.0, le=SANDBOX_MAX_TIMEOUT_S)
+    timeout_s: float = Field(default=10.0, gt=0, le=SANDBOX_MAX_TIMEOUT_S)
     """Wall-clock limit of one command; the whole process tree is killed at it (exit status 124)."""
-    memory_mb: int = Field(default=512, le=SANDBOX_MAX_MB)
+    memory_mb: int = Field(default=512, ge=SANDBOX_MIN_MEMORY_MB, le=SANDBOX_MAX_MB)
     """Memory limit (cgroup v1 where available, address-space rlimit always)."""
-    pids: int = Field(default=64, le=SANDBOX_MAX_PIDS)
+    pids: int = Field(default=64, ge=1, le=SANDBOX_MAX_PIDS)
     """Maximum processes (cgroup v1 pids where available, RLIMIT_NPROC otherwise)."""
     cpu_s: int = Field(default=10, ge=1, le=SANDBOX_MAX_TIMEOUT_S)
     """CPU-time rlimit in seconds."""

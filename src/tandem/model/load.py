@@ -13,7 +13,10 @@ from typing import Any
 from tandem.core.errors import ModelLoadError
 from tandem.model.chat import ChatTemplate
 
-HINT = "pass --set model.path=DIR containing config.json and tokenizer.json"
+HINT = (
+    "point the command's --model (or a run's --set model.path=DIR) at a directory containing config.json "
+    "and tokenizer.json"
+)
 DTYPES = ("float32", "bfloat16")
 
 

@@ -223,13 +223,20 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 )
 
 
+def _cell(text: str) -> str:
+    """``text`` as one Markdown table cell: ``|`` escaped (GFM honours ``\\|`` in code spans too), line breaks
+    as spaces, so a label or directory name cannot split or end the row."""
+    return " ".join(text.replace("|", "\\|").splitlines())
+
+
 def _table(labels: list[str], summaries: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| run | run dir | " + " | ".join(c for c, _ in COLUMNS) + " |",
         "|---" * (len(COLUMNS) + 2) + "|",
     ]
     for lab, s in zip(labels, summaries, strict=True):
-        lines.append(f"| {lab} | `{s['run_dir']}` | " + " | ".join(fmt(s[k]) for _, k in COLUMNS) + " |")
+        cells = [_cell(lab), f"`{_cell(str(s['run_dir']))}`", *(fmt(s[k]) for _, k in COLUMNS)]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines + [
         "",
         "Reward columns average `reward_mean` over the first / last quarter of each run's steps (at least "
@@ -243,7 +250,9 @@ def _differences(labels: list[str], diffs: dict[str, list[Any]]) -> list[str]:
         return ["The runs' config.toml files are identical (or absent).", ""]
     lines = ["Config fields that differ:", ""]
     for k, vs in diffs.items():
-        lines.append(f"- `{k}`: " + " | ".join(f"{lab}: {fmt(v)}" for lab, v in zip(labels, vs, strict=True)))
+        lines.append(
+            f"- `{k}`: " + " | ".join(f"{_cell(lab)}: {fmt(v)}" for lab, v in zip(labels, vs, strict=True))
+        )
     return lines + [""]
 
 

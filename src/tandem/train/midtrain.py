@@ -96,6 +96,34 @@ def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     tmp.replace(path)  # atomic: a crash mid-save leaves the previous checkpoint intact
 
 
+def _metrics_through(path: Path, step: int) -> list[str]:
+    """The lines of ``path`` (``metrics.jsonl``) for steps up to ``step``, the checkpoint's.
+
+    A last line that does not parse is a write torn by an interruption and is dropped; any other line
+    that is not a JSON object with an integer ``step`` raises ``ValueError`` naming the file and line."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--resume: cannot read {path} ({e}); move it away to resume without it") from e
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+            at = row["step"]
+            if isinstance(at, bool) or not isinstance(at, int):
+                raise TypeError("step is not an integer")
+        except (ValueError, KeyError, TypeError) as e:
+            if number == len(lines):
+                break  # torn by the interruption this run resumes from
+            raise ValueError(
+                f"--resume: {path} line {number} is not a metrics row ({e}); repair or remove that line "
+                f"(or move the file away) and resume again"
+            ) from e
+        if at <= step:
+            kept.append(line)
+    return kept
+
+
 def midtrain(
     model: Any,
     rows: np.ndarray,
@@ -136,11 +164,7 @@ def midtrain(
         opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         step, prior_wall = int(state["step"]), float(state["wall_s"])
-        kept = (
-            [ln for ln in metrics_path.read_text().splitlines() if json.loads(ln)["step"] <= step]
-            if (metrics_path.is_file())
-            else []
-        )
+        kept = _metrics_through(metrics_path, step) if metrics_path.is_file() else []
         metrics_path.write_text("".join(ln + "\n" for ln in kept))
     else:
         metrics_path.write_text("")
