@@ -81,6 +81,11 @@ def test_unknown_preset_is_rejected():
     assert r.returncode == 2 and "huge" in r.stderr
 
 
+def test_eval_of_a_missing_model_names_its_option(tmp_path):
+    r = tandem("eval", "--model", str(tmp_path / "absent"))
+    assert r.returncode == 2 and "pass --model DIR" in r.stderr, r.stderr
+
+
 def test_bench_pipeline_refuses_a_budget_that_is_not_a_positive_finite_number():
     for bad in ("inf", "nan", "-1", "1e300"):
         r = tandem("bench", "pipeline", "--budget-s", bad)

@@ -59,6 +59,10 @@ def build_config(preset: str | None, config: Path | None, overrides: list[str] |
     return cfg
 
 
+MODEL_OPTION_FIX = "pass --model DIR"
+"""The fix a model-path error names for commands that take the model as ``--model``."""
+
+
 def check_model_path(path: str, fix: str = "pass --set model.path=DIR") -> None:
     """Fail unless ``path`` is a model directory; ``fix`` says which option takes another one."""
     p = Path(path)
@@ -67,9 +71,6 @@ def check_model_path(path: str, fix: str = "pass --set model.path=DIR") -> None:
             f"model path {path!r} is not a model directory (needs config.json and tokenizer files); "
             f"{fix} or build one with `tandem midtrain`"
         )
-
-
-BENCH_MODEL_FIX = "pass --model DIR"
 
 
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config field: key=value.")]
@@ -135,7 +136,7 @@ def eval_(
     """Evaluate a model on the held-out split: pass@1 (and pass@k)."""
     cfg = build_config(preset if preset or config else "default", config, set_)
     model_path = resolve_model_path(model)
-    check_model_path(model_path)
+    check_model_path(model_path, MODEL_OPTION_FIX)
     ks = tuple(sorted(set(k or [1])))
     if any(x < 1 for x in ks):
         fail(f"--k must be >= 1, got {ks}")
@@ -221,7 +222,7 @@ def bench_engine(
     path = None
     if model is not None:
         path = resolve_model_path(model)
-        check_model_path(path, BENCH_MODEL_FIX)
+        check_model_path(path, MODEL_OPTION_FIX)
     try:  # counts, --prompt-len against the context, memory: checked before any model is built
         out = run(
             path,
@@ -248,7 +249,7 @@ def bench_prefix(
 ) -> None:
     """Engine with and without per-session prefix reuse on the same multi-turn workload."""
     path = resolve_model_path(model)
-    check_model_path(path, BENCH_MODEL_FIX)
+    check_model_path(path, MODEL_OPTION_FIX)
     from tandem.bench.prefix import run
 
     try:  # counts, threads, the context and memory: checked before the model loads
@@ -285,7 +286,7 @@ def bench_codec(
     chosen = tuple(workload or WORKLOADS)
     path = resolve_model_path(model)
     if "tandem_train" in chosen:
-        check_model_path(path, BENCH_MODEL_FIX)
+        check_model_path(path, MODEL_OPTION_FIX)
     try:
         out = run_codec_bench(
             size_gb=size_gb, model_path=path, steps=steps, warmup=warmup, threads=threads,
@@ -336,7 +337,7 @@ def bench_sync(
 ) -> None:
     """Publish -> relays -> engines: time to serve a new version as a delta vs as a full checkpoint."""
     path = resolve_model_path(model)
-    check_model_path(path, BENCH_MODEL_FIX)
+    check_model_path(path, MODEL_OPTION_FIX)
     from tandem.bench.sync import run_sync_bench
 
     try:
@@ -399,7 +400,7 @@ def bench_gateway(
 ) -> None:
     """The OpenAI gateway (official openai client, real HTTP) vs the same engine called in-process."""
     path = resolve_model_path(model)
-    check_model_path(path, BENCH_MODEL_FIX)
+    check_model_path(path, MODEL_OPTION_FIX)
     from tandem.bench.gateway import run_gateway_bench
 
     try:
@@ -436,7 +437,7 @@ def bench_mismatch(
 ) -> None:
     """Sampler-vs-trainer mismatch (kl_k3, max |dlogp|), MoE routing agreement and slowdown per mode."""
     path = resolve_model_path(model)
-    check_model_path(path, BENCH_MODEL_FIX)
+    check_model_path(path, MODEL_OPTION_FIX)
     from tandem.bench.mismatch import run_mismatch_bench
 
     try:
