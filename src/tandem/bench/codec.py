@@ -29,15 +29,14 @@ compressed bytes) on the same data, per tensor: zstd-3 of the new weights, zstd-
 int32 indices + new values of the changed elements, and ZipNN (PyPI) on the XOR delta. Sizes count the whole
 delta file. ``bit_exact`` means every decoded tensor equals the new one and the version hash matches.
 
-Before any work, ``run_codec_bench`` refuses (``BenchInputError``, a ``ValueError`` naming the option)
+Before any work, ``preflight.check_codec`` refuses (``BenchInputError``, a ``ValueError`` naming the option)
 unknown workloads, values out of range (``--size-gb`` below one parameter, ``--threads`` outside 1..4 per
 CPU, ``--repeats`` above ``limits.MAX_REPEATS``, ``--train-lr`` outside (0, 1]) and workloads whose memory
-exceeds what is available (``check_memory``).
+exceeds what is available.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +46,7 @@ import numpy as np
 import torch
 import zstandard
 
-from tandem.bench import limits
+from tandem.bench import preflight
 from tandem.weights.bound import entropy_bound_bits
 from tandem.weights.delta import (
     apply_delta_inplace,
@@ -61,7 +60,7 @@ from tandem.weights.seam import tensors_hash
 REPO_ROOT = Path(__file__).resolve().parents[3]
 Tensors = dict[str, np.ndarray]
 GB = 1e9
-WORKLOADS = ("tandem_train", "synthetic_1gb")
+WORKLOADS = preflight.CODEC_WORKLOADS
 
 
 # ============================================================================ workloads
@@ -283,45 +282,14 @@ def summarize(name: str, pairs: list[tuple[Tensors, Tensors]], threads: int, rep
     return row
 
 
-SYNTHETIC_BYTES_PER_PARAM = 18
-"""Least memory per synthetic parameter, held at once during the last optimizer step: fp32 master (4),
-AdamW's two moments (8), the gradient (4) and the bf16 version published before it (2)."""
-
-
-def check_memory(
-    size_gb: float, model_path: str, steps: int, warmup: int, workloads: tuple[str, ...]
-) -> None:
-    """Raise ``BenchInputError`` when a workload's least memory (the versions it keeps) exceeds what is
-    available: ``tandem_train`` keeps ``warmup + steps + 1`` bf16 versions of the model, ``synthetic_1gb``
-    ``SYNTHETIC_BYTES_PER_PARAM`` per parameter."""
-    if "tandem_train" in workloads:
-        kept = (warmup + steps + 1) * 2 * limits.params_on_disk(model_path)
-        what = "--warmup + --steps + 1 bf16 versions of the model"
-        limits.require(limits.fits_memory(("--steps", "--warmup"), kept, what))
-    if "synthetic_1gb" in workloads and size_gb < math.inf:
-        need = math.ceil(size_gb * 2**29) * SYNTHETIC_BYTES_PER_PARAM
-        what = f"{SYNTHETIC_BYTES_PER_PARAM} bytes per parameter, 2**29 parameters per GiB"
-        limits.require(limits.fits_memory(("--size-gb",), need, what))
-
-
 def run_codec_bench(
     size_gb: float = 1.0, model_path: str | None = None, steps: int = 3, warmup: int = 6, threads: int = 2,
     repeats: int = 3, synthetic_lr: float = 1e-6, synthetic_warmup: int = 2, train_lr: float | None = None,
     workloads: tuple[str, ...] = WORKLOADS,
 ) -> dict[str, Any]:  # fmt: skip
     """Run the chosen workloads and return the benchmark's JSON object."""
-    problems = [f"unknown workload {w!r} (choose from {', '.join(WORKLOADS)})" for w in workloads
-                if w not in WORKLOADS]  # fmt: skip
-    checks = {"--size-gb": (size_gb, size_gb >= 2**-29, ">= 2**-29 (one parameter)"),
-              "--steps": (steps, steps >= 1, ">= 1"), "--warmup": (warmup, warmup >= 0, ">= 0")}  # fmt: skip
-    problems += [f"{k} must be {rule}, got {limits.shown(v)}" for k, (v, ok, rule) in checks.items()
-                 if not ok]  # fmt: skip
-    checked = (limits.threads(threads), limits.repeats(repeats), limits.learning_rate("--train-lr", train_lr))
-    problems += [p for p in checked if p is not None]
-    if problems:
-        raise limits.BenchInputError("; ".join(problems))
     path = model_path or str(REPO_ROOT / "models" / "tandem-base")
-    check_memory(size_gb, path, steps, warmup, workloads)
+    preflight.check_codec(size_gb, path, steps, warmup, threads, repeats, train_lr, workloads)
     old_threads = torch.get_num_threads()
     out: dict[str, Any] = {"workloads": [], "threads": threads, "repeats": repeats}
     try:

@@ -16,10 +16,11 @@ without a measurement chooses (``engine.vllm_from_params``), with ``threshold_pi
 the one of the two with more tokens/s here (None unless both ran).
 This is the one place that changes global torch settings (threads), restored on return.
 
-Before any model is built, ``check_args`` refuses (``BenchInputError``, naming the option) counts < 1,
-thread counts outside 1..4 per CPU, more than ``limits.MAX_REPEATS`` rounds, ``prompt_len + new_tokens``
-beyond a model's context (``max_position_embeddings``; 256 for ``smoke``), and a batch whose KV caches
-(one per engine asked for, ``batch x (prompt_len + new_tokens)`` tokens each) exceed the memory
+Before any model is built (and, from the CLI, before this module is imported),
+``preflight.check_engine`` refuses (``BenchInputError``, naming the option) unknown sizes or engines,
+counts < 1, thread counts outside 1..4 per CPU, more than ``limits.MAX_REPEATS`` rounds, ``prompt_len +
+new_tokens`` beyond a model's context (``max_position_embeddings``; 256 for ``smoke``), and a batch whose
+KV caches (one per engine asked for, ``batch x (prompt_len + new_tokens)`` tokens each) exceed the memory
 available (``tandem.bench.limits``).
 """
 
@@ -35,13 +36,13 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from tandem.bench import limits
+from tandem.bench import preflight
 from tandem.core.config import EngineConfig
 from tandem.engine.builtin import BuiltinEngine
 from tandem.engine.calibrate import decode_seconds
 from tandem.engine.choice import choose_engine
 
-ENGINES = ("builtin", "vllm", "hf_generate")
+ENGINES = preflight.ENGINE_BENCH_ENGINES
 SIZES = ("default", "15m", "100m")
 
 
@@ -153,39 +154,6 @@ def _tps(results: list[dict[str, Any]], engine: str) -> float:
     return next(r["tokens_per_s"] for r in results if r["engine"] == engine)
 
 
-def _configs(model_path: str | None, sizes: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """Name -> model config of every model the run builds or loads (``_random_model``: vocab 4096)."""
-    if model_path is not None:
-        return {Path(model_path).name: limits.read_config(model_path)}
-    from tandem.model.build import SIZES as PRESETS
-
-    return {size: {**PRESETS[size], "vocab_size": 4096} for size in sizes}
-
-
-def check_args(
-    model_path: str | None, sizes: tuple[str, ...], engines: tuple[str, ...], batch: int, new_tokens: int,
-    prompt_len: int, threads: int, repeats: int,
-) -> None:  # fmt: skip
-    """Raise ``BenchInputError`` naming the first option out of range (module docstring), else nothing."""
-    limits.require(
-        limits.at_least("--batch", batch),
-        limits.at_least("--new-tokens", new_tokens),
-        limits.at_least("--prompt-len", prompt_len),
-        limits.threads(threads),
-        limits.repeats(repeats),
-    )
-    seq = prompt_len + new_tokens
-    for name, config in _configs(model_path, sizes).items():
-        holder = f"model {name!r} (max_position_embeddings)"
-        limits.require(
-            limits.fits_context(("--prompt-len", "--new-tokens"), seq, limits.context_of(config), holder)
-        )
-        # every engine holds one at once: fp32 like the model, vLLM's at least bf16
-        kv = sum(batch * seq * limits.kv_bytes_per_token(config, 2 if e == "vllm" else 4) for e in engines)
-        what = f"a KV cache of --batch x {seq} tokens in each of {len(engines)} engine(s), model {name!r}"
-        limits.require(limits.fits_memory(("--batch",), kv, what))
-
-
 def run(
     model_path: str | None = None,
     sizes: tuple[str, ...] = SIZES,
@@ -198,10 +166,7 @@ def run(
 ) -> dict[str, Any]:
     """Run the comparison and return the benchmark's JSON object (``model_path``: one real model instead of
     the random ``sizes``)."""
-    unknown = [e for e in engines if e not in ENGINES]
-    if unknown:
-        raise ValueError(f"engines: {unknown[0]!r} is unknown; choose from {', '.join(ENGINES)}")
-    check_args(model_path, sizes, engines, batch, new_tokens, prompt_len, threads, repeats)
+    preflight.check_engine(model_path, sizes, engines, batch, new_tokens, prompt_len, threads, repeats)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     out_sizes: list[dict[str, Any]] = []

@@ -35,11 +35,13 @@ the responses go out and the next requests come back. Before the engine gathered
 arrivals at once, and their decode steps slowed the server still answering the rest (about 100-200 ms of
 spread per boundary instead of 50-60). More tokens per turn (``max_tokens``) amortise all of it.
 
-Before the engine starts, ``check_args`` refuses (``BenchInputError``, naming the option) counts < 1, more
-than ``limits.MAX_REPEATS`` rounds, thread counts outside 1..4 per CPU, more client processes than 4 per CPU
-or than sessions, sessions whose KV cache (``2 x sessions`` slots of ``MAX_SEQ_LEN`` tokens: every session
-is parked between turns) exceeds the memory available, and sessions whose longest context (prompt, every
-turn's tokens, the tool messages; ``_longest_context``) exceeds ``MAX_SEQ_LEN`` or the model's context.
+Before the engine starts (and, from the CLI, before this module is imported), ``preflight.check_gateway``
+refuses (``BenchInputError``, naming the option) an unknown engine, counts < 1, more than
+``limits.MAX_REPEATS`` rounds, thread counts outside 1..4 per CPU, more client processes than 4 per CPU or
+than sessions, sessions whose KV cache (``2 x sessions`` slots of ``MAX_SEQ_LEN`` tokens: every session is
+parked between turns) exceeds the memory available, and sessions whose longest context (prompt, every turn's
+tokens, the tool messages; ``preflight.gateway_longest_context``) exceeds ``MAX_SEQ_LEN`` or the model's
+context.
 """
 
 from __future__ import annotations
@@ -54,32 +56,16 @@ from typing import Any
 
 import torch
 
-from tandem.bench import limits
-from tandem.core.config import EngineConfig, TaskConfig
+from tandem.bench import preflight
+from tandem.core.config import EngineConfig
 from tandem.core.generation import GenerationRequest, SamplingParams
 from tandem.core.procs import cpu_ticks, freeze_heap, gc_freeze_enabled, steal_fraction, thaw_heap
 from tandem.engine.front import RequestFront
 
-ENGINES = ("auto", "builtin", "vllm")
-MAX_SEQ_LEN = 1024
-"""The engine's context per session (``EngineConfig.max_seq_len``) on both sides."""
+ENGINES = preflight.GATEWAY_ENGINES
+MAX_SEQ_LEN = preflight.GATEWAY_MAX_SEQ_LEN
 
-TOOL_RESULT = "exit 0\nstdout:\n2 passed, 0 failed (round {r}, session {i}, turn {t})\n"
-
-
-def _workload(sessions: int, r: int) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
-    """Opening messages of each session of round ``r``, and the tools."""
-    from tandem.env.sources import tasks_for
-    from tandem.env.tasks import TOOLS
-
-    tasks = tasks_for(TaskConfig(), "train", sessions)
-    opening = []
-    for i in range(sessions):
-        task = tasks[i % len(tasks)]
-        msgs = [{"role": m.role, "content": m.content} for m in task.prompt]
-        msgs[-1]["content"] += f" (run {r}.{i})"
-        opening.append(msgs)
-    return opening, TOOLS
+TOOL_RESULT = preflight.GATEWAY_TOOL_RESULT
 
 
 def _seed(r: int, i: int, t: int) -> int:
@@ -87,7 +73,7 @@ def _seed(r: int, i: int, t: int) -> int:
 
 
 def _in_process(engine: RequestFront, chat: Any, r: int, sessions: int, turns: int, max_tokens: int) -> dict:
-    opening, tools = _workload(sessions, r)
+    opening, tools = preflight.gateway_workload(sessions, r)
     eot = int(chat.stop_token_ids[0])
     ctx = [chat.render_prompt(m, tools) for m in opening]
     done = [0] * sessions
@@ -236,53 +222,6 @@ def _gateway_round(clients: list[_Client], spec: dict[str, Any]) -> dict[str, An
     }
 
 
-def _longest_context(chat: Any, sessions: int, turns: int, max_tokens: int, repeats: int) -> int:
-    """Tokens of the longest session context of the last round of each side (their round numbers have the
-    most digits): the rendered prompt, ``max_tokens`` per turn, and per later turn an end-of-turn token and
-    the rendered tool message."""
-    longest = 0
-    for r in (2 * repeats, 2 * repeats + 1):
-        opening, tools = _workload(sessions, r)
-        for i, messages in enumerate(opening):
-            n = len(chat.render_prompt(messages, tools)) + turns * max_tokens
-            for t in range(1, turns):
-                tool = {"role": "tool", "content": TOOL_RESULT.format(r=r, i=i, t=t)}
-                n += 1 + len(chat.render_continuation([tool]))
-            longest = max(longest, n)
-    return longest
-
-
-def check_args(
-    model_path: str, sessions: int, turns: int, max_tokens: int, threads: int, repeats: int,
-    client_procs: int, engine_kind: str = "builtin",
-) -> None:  # fmt: skip
-    """Raise ``BenchInputError`` naming the first option out of range (module docstring), else nothing."""
-    limits.require(
-        limits.at_least("--sessions", sessions),
-        limits.at_least("--turns", turns),
-        limits.at_least("--max-tokens", max_tokens),
-        limits.repeats(repeats),
-        limits.threads(threads),
-        limits.processes("--client-procs", client_procs),
-    )
-    if client_procs > sessions:
-        raise limits.BenchInputError(
-            f"--client-procs must be <= --sessions (each client process runs sessions of its own), got "
-            f"client_procs={client_procs} with sessions={sessions}"
-        )
-    config = limits.read_config(model_path)
-    elem = 4 if engine_kind == "builtin" else 2  # the built-in engine's cache is fp32, vLLM's at least bf16
-    kv = 2 * sessions * MAX_SEQ_LEN * limits.kv_bytes_per_token(config, elem)
-    what = f"the KV cache of 2 x --sessions slots of {MAX_SEQ_LEN} tokens"
-    limits.require(limits.fits_memory(("--sessions",), kv, what))
-    from tandem.model import load_chat_format
-
-    limit = min(MAX_SEQ_LEN, limits.context_of(config))
-    needed = _longest_context(load_chat_format(model_path), sessions, turns, max_tokens, repeats)
-    holder = "the engine (max_seq_len, at most the model's max_position_embeddings)"
-    limits.require(limits.fits_context(("--turns", "--max-tokens"), needed, limit, holder))
-
-
 def run_gateway_bench(
     model_path: str = "models/tandem-base",
     sessions: int = 32,
@@ -295,9 +234,9 @@ def run_gateway_bench(
 ) -> dict[str, Any]:
     """Run both sides (see module docstring) and return the benchmark's JSON object."""
     gc_freeze_enabled()  # a bad TANDEM_GC_FREEZE is a ValueError before anything starts
-    if engine_kind not in ENGINES:
-        raise ValueError(f"engine {engine_kind!r} is unknown; choose one of {', '.join(ENGINES)}")
-    check_args(model_path, sessions, turns, max_tokens, threads, repeats, client_procs, engine_kind)
+    preflight.check_gateway(
+        model_path, sessions, turns, max_tokens, threads, repeats, client_procs, engine_kind
+    )
     from tandem.engine import create_engine
     from tandem.engine.choice import choose_engine
     from tandem.engine.gateway import GatewayConfig, GatewayServer, create_app
@@ -332,7 +271,7 @@ def run_gateway_bench(
         for _ in range(repeats + 1):  # round 0 of each side is its warm-up
             in_proc.append(_in_process(engine, chat, r, sessions, turns, max_tokens))
             r += 1
-            opening, tools = _workload(sessions, r)
+            opening, tools = preflight.gateway_workload(sessions, r)
             spec = {"round": r, "turns": turns, "max_tokens": max_tokens, "tools": tools, "opening": opening}
             gateway.append(_gateway_round(clients, spec))
             last_gateway_round = r

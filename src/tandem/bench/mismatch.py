@@ -34,11 +34,11 @@ numerics are the same every round).
 when a row it needs has an error): per model, deterministic kl_k3 == 0, max_abs_dlogp == 0 and slowdown <=
 1.3; for the MoE, r3 routing_agreement == 1.0 and r3 kl_k3 <= 0.5 x default kl_k3.
 
-Before any model is loaded, ``check_args`` refuses (``BenchInputError``, naming the option) an odd or
-too small ``prompts``, counts < 1, thread counts outside 1..4 per CPU, more than ``limits.MAX_REPEATS``
-rounds, a seed outside 0..2**63-1, ``prompt_len + new_tokens`` beyond either model's context
-(``max_position_embeddings``) and prompts whose KV cache in the engine exceeds the memory available
-(``tandem.bench.limits``).
+Before any model is loaded (and, from the CLI, before this module is imported), ``preflight.check_mismatch``
+refuses (``BenchInputError``, naming the option) an odd or too small ``prompts``, counts < 1, thread counts
+outside 1..4 per CPU, more than ``limits.MAX_REPEATS`` rounds, a seed outside 0..2**63-1, ``prompt_len +
+new_tokens`` beyond either model's context (``max_position_embeddings``) and prompts whose KV cache in the
+engine exceeds the memory available (``tandem.bench.limits``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from tandem.bench import limits
+from tandem.bench import preflight
 from tandem.core.config import EngineConfig, TrainConfig
 from tandem.core.generation import Completion, GenerationRequest, SamplingParams
 from tandem.core.records import Group, Reward, SegmentBuilder, Trajectory
@@ -173,38 +173,6 @@ def _targets(rows: list[dict[str, Any]]) -> dict[str, bool]:
     return out
 
 
-def check_args(
-    model_path: str, prompts: int, prompt_len: int, new_tokens: int, threads: int, seed: int,
-    publish_dtype: str, repeats: int,
-) -> None:  # fmt: skip
-    """Raise ``BenchInputError`` naming the first option out of range (module docstring), else nothing."""
-    if prompts < 2 or prompts % 2:
-        raise limits.BenchInputError(
-            f"--prompts must be an even number >= 2 (pairs form groups of two), got {limits.shown(prompts)}"
-        )
-    if publish_dtype not in ("bfloat16", "float32"):
-        raise limits.BenchInputError(f"--publish must be bfloat16 or float32, got {publish_dtype!r}")
-    limits.require(
-        limits.at_least("--prompt-len", prompt_len),
-        limits.at_least("--new-tokens", new_tokens),
-        limits.threads(threads),
-        limits.repeats(repeats),
-        limits.seed(seed),
-    )
-    from tandem.model.build import MOE_SIZES
-
-    dense = limits.read_config(model_path)
-    for name, config in ((Path(model_path).name, dense), ("tiny-moe", MOE_SIZES["moe"])):
-        holder = f"model {name!r} (max_position_embeddings)"
-        limits.require(
-            limits.fits_context(
-                ("--prompt-len", "--new-tokens"), prompt_len + new_tokens, limits.context_of(config), holder
-            )
-        )
-    kv = prompts * (prompt_len + new_tokens + 8) * limits.kv_bytes_per_token(dense)
-    limits.require(limits.fits_memory(("--prompts",), kv, "the engine's KV cache of one slot per prompt"))
-
-
 def run_mismatch_bench(
     model_path: str = "models/tandem-base",
     prompts: int = 16,
@@ -216,7 +184,9 @@ def run_mismatch_bench(
     repeats: int = 3,
 ) -> dict[str, Any]:
     """Run every setting (see the module docstring) and return ``{"settings": [...], "targets": {...}}``."""
-    check_args(model_path, prompts, prompt_len, new_tokens, threads, seed, publish_dtype, repeats)
+    preflight.check_mismatch(
+        model_path, prompts, prompt_len, new_tokens, threads, seed, publish_dtype, repeats
+    )
     old_threads = torch.get_num_threads()
     rows: list[dict[str, Any]] = []
     try:

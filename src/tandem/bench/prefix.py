@@ -7,10 +7,11 @@ no time here). The same workload (same seeds) runs on the engine with ``max_park
 ``max_parked=0``; reported: wall time, prefill tokens actually computed, tokens reused. Sets torch threads
 (restored on return); one engine runs at a time.
 
-Before anything is loaded, ``check_args`` refuses (``BenchInputError``, naming the option) thread counts
-outside 1..4 per CPU, counts < 1, sessions whose longest turn (``prompt + turns x (sampled + obs)`` tokens)
-exceeds the model's context, and sessions whose KV cache (``2 x sessions`` slots of that length: the
-engine with reuse parks every session) exceeds the memory available (``tandem.bench.limits``).
+Before anything is loaded (and, from the CLI, before this module is imported), ``preflight.check_prefix``
+refuses (``BenchInputError``, naming the option) thread counts outside 1..4 per CPU, counts < 1, sessions
+whose longest turn (``prompt + turns x (sampled + obs)`` tokens) exceeds the model's context, and sessions
+whose KV cache (``2 x sessions`` slots of that length: the engine with reuse parks every session) exceeds
+the memory available (``tandem.bench.limits``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from tandem.bench import limits
+from tandem.bench import preflight
 from tandem.core.config import EngineConfig
 from tandem.core.generation import GenerationRequest, SamplingParams
 from tandem.engine.builtin import BuiltinEngine
@@ -70,43 +71,16 @@ def _workload(
     return time.perf_counter() - t0
 
 
-def _model_config(path: str) -> dict[str, Any]:
-    """The config ``_model`` loads or builds (a model directory's, else the default preset at vocab 4096)."""
-    if Path(path).is_dir():
-        return limits.read_config(path)
-    from tandem.model.build import SIZES
-
-    return {**SIZES["default"], "vocab_size": 4096}
-
-
-def check_args(
-    model_path: str, sessions: int, turns: int, prompt: int, sampled: int, obs: int, threads: int
-) -> None:
-    """Raise ``BenchInputError`` naming the first option out of range (module docstring), else nothing."""
-    limits.require(
-        limits.at_least("--sessions", sessions),
-        limits.at_least("--turns", turns),
-        limits.threads(threads),
-    )
-    config = _model_config(model_path)
-    seq = prompt + turns * (sampled + obs)
-    holder = f"the model ({Path(model_path).name}, max_position_embeddings)"
-    how = f"a {prompt}-token prompt + --turns x {sampled + obs} sampled and observation tokens"
-    limits.require(limits.fits_context(("--turns",), seq, limits.context_of(config), holder, how))
-    kv = 2 * sessions * seq * limits.kv_bytes_per_token(config)
-    limits.require(limits.fits_memory(("--sessions", "--turns"), kv, "the KV cache of 2 x --sessions slots"))
-
-
 def run(
     model_path: str = "models/tandem-base",
     sessions: int = 32,
     turns: int = 4,
-    prompt: int = 300,
-    sampled: int = 40,
-    obs: int = 40,
+    prompt: int = preflight.PREFIX_PROMPT_TOKENS,
+    sampled: int = preflight.PREFIX_SAMPLED_TOKENS,
+    obs: int = preflight.PREFIX_OBS_TOKENS,
     threads: int = 2,
 ) -> dict[str, Any]:
-    check_args(model_path, sessions, turns, prompt, sampled, obs, threads)
+    preflight.check_prefix(model_path, sessions, turns, prompt, sampled, obs, threads)
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -32,6 +33,15 @@ PRESETS = {"default": "default.toml", "smoke": "smoke.toml"}
 def fail(message: str) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(2)
+
+
+def _preflight(check: Callable[..., None], *args: Any) -> None:
+    """Run a benchmark's option check (``tandem.bench.preflight``) before its module, and with it torch, is
+    imported: a refused option costs about a second instead of 3-7."""
+    try:
+        check(*args)
+    except ValueError as e:
+        fail(str(e))
 
 
 def resolve_model_path(path: str) -> str:
@@ -206,24 +216,19 @@ def bench_engine(
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Built-in engine vs vLLM vs transformers `model.generate`: tokens/s and time to first token per size."""
-    from tandem.bench.engine import ENGINES, run
-    from tandem.model.build import SIZES as MODEL_SIZES
+    from tandem.bench import preflight
 
     size_list = tuple(x.strip() for x in sizes.split(",") if x.strip())
     engine_list = tuple(x.strip() for x in engines.split(",") if x.strip())
-    for name in size_list:
-        if name not in MODEL_SIZES:
-            fail(f"--sizes: {name!r} is unknown; choose from {', '.join(MODEL_SIZES)}")
-    for name in engine_list:
-        if name not in ENGINES:
-            fail(f"--engines: {name!r} is unknown; choose from {', '.join(ENGINES)}")
-    if not engine_list or (model is None and not size_list):
-        fail("--engines and --sizes need at least one entry each")
     path = None
     if model is not None:
         path = resolve_model_path(model)
         check_model_path(path, MODEL_OPTION_FIX)
-    try:  # counts, --prompt-len against the context, memory: checked before any model is built
+    args = (size_list, engine_list, batch, new_tokens, prompt_len, threads, repeats)
+    _preflight(preflight.check_engine, path, *args)
+    from tandem.bench.engine import run
+
+    try:  # checked again by run, which the library's callers use
         out = run(
             path,
             sizes=size_list,
@@ -248,11 +253,15 @@ def bench_prefix(
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Engine with and without per-session prefix reuse on the same multi-turn workload."""
+    from tandem.bench import preflight
+
     path = resolve_model_path(model)
     check_model_path(path, MODEL_OPTION_FIX)
+    turn = (preflight.PREFIX_PROMPT_TOKENS, preflight.PREFIX_SAMPLED_TOKENS, preflight.PREFIX_OBS_TOKENS)
+    _preflight(preflight.check_prefix, path, sessions, turns, *turn, threads)
     from tandem.bench.prefix import run
 
-    try:  # counts, threads, the context and memory: checked before the model loads
+    try:  # checked again by run, which the library's callers use
         out = run(path, sessions=sessions, turns=turns, threads=threads)
     except (TandemError, ValueError) as e:
         fail(str(e))
@@ -278,15 +287,18 @@ def bench_codec(
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Lossless weight-delta codec vs zstd, XOR+zstd, indices+values and ZipNN on real AdamW updates."""
-    from tandem.bench.codec import WORKLOADS, run_codec_bench
+    from tandem.bench import preflight
 
     for option, value in (("--size-gb", size_gb), ("--train-lr", train_lr)):
         if value is not None and not 0 < value < math.inf:
             fail(f"{option} must be a finite number > 0, got {value}")
-    chosen = tuple(workload or WORKLOADS)
+    chosen = tuple(workload or preflight.CODEC_WORKLOADS)
     path = resolve_model_path(model)
     if "tandem_train" in chosen:
         check_model_path(path, MODEL_OPTION_FIX)
+    _preflight(preflight.check_codec, size_gb, path, steps, warmup, threads, repeats, train_lr, chosen)
+    from tandem.bench.codec import run_codec_bench
+
     try:
         out = run_codec_bench(
             size_gb=size_gb, model_path=path, steps=steps, warmup=warmup, threads=threads,
@@ -399,8 +411,12 @@ def bench_gateway(
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """The OpenAI gateway (official openai client, real HTTP) vs the same engine called in-process."""
+    from tandem.bench import preflight
+
     path = resolve_model_path(model)
     check_model_path(path, MODEL_OPTION_FIX)
+    args = (sessions, turns, max_tokens, threads, repeats, client_procs, engine)
+    _preflight(preflight.check_gateway, path, *args)
     from tandem.bench.gateway import run_gateway_bench
 
     try:
@@ -436,8 +452,12 @@ def bench_mismatch(
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Sampler-vs-trainer mismatch (kl_k3, max |dlogp|), MoE routing agreement and slowdown per mode."""
+    from tandem.bench import preflight
+
     path = resolve_model_path(model)
     check_model_path(path, MODEL_OPTION_FIX)
+    args = (prompts, prompt_len, new_tokens, threads, seed, publish, repeats)
+    _preflight(preflight.check_mismatch, path, *args)
     from tandem.bench.mismatch import run_mismatch_bench
 
     try:
