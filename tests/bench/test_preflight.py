@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,15 +14,15 @@ REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "ray", "vllm")
 
 # Runs the real CLI in a fresh interpreter, then prints the exit status and which heavy modules it imported.
-PROBE = """
-import runpy, sys
+PROBE = f"""
+import json, runpy, sys
 sys.argv = ["tandem", *sys.argv[1:]]
 try:
     runpy.run_module("tandem.cli.main", run_name="__main__")
 except SystemExit as e:
     status = e.code
-print("STATUS", status, "HEAVY", sorted(m for m in {heavy} if m in sys.modules), file=sys.stderr)
-""".format(heavy=HEAVY)
+print("STATUS", status, "HEAVY", json.dumps([m for m in {HEAVY!r} if m in sys.modules]), file=sys.stderr)
+"""
 
 
 def refuse(*args: str) -> tuple[str, list[str]]:
@@ -35,7 +36,7 @@ def refuse(*args: str) -> tuple[str, list[str]]:
     assert status == "2", r.stderr[-2000:]
     errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
     assert len(errors) == 1, r.stderr[-2000:]
-    return errors[0], eval(heavy)  # noqa: S307 - our own probe printed a list of module names
+    return errors[0], json.loads(heavy)
 
 
 @pytest.mark.parametrize(
