@@ -117,9 +117,13 @@ def train(
     cfg = build_config(preset, config, overrides)
     check_model_path(cfg.model.path)
     from tandem.orchestrator import train as run_train
+    from tandem.orchestrator.stopping import RunStopped
 
     try:
         result = run_train(cfg, run_dir, resume=resume)
+    except RunStopped as e:  # Ctrl-C, SIGTERM or SIGHUP: saved and released; the shell's code for the signal
+        typer.echo(str(e), err=True)
+        raise typer.Exit(e.exit_code) from None
     except (TandemError, FileNotFoundError) as e:
         fail(str(e))
     typer.echo(f"report: {run_dir / 'report.md'}")

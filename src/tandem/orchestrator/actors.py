@@ -302,6 +302,12 @@ class RolloutActor:
         for t in list(self.inflight):
             t.cancel()
 
+    async def shutdown(self) -> None:
+        """Stop producing and exit this actor's process normally, so its exit hooks remove every sandbox,
+        layer cache and ``/etc`` copy it made (``ray.kill`` would leave them to the next run's sweep)."""
+        await self.stop()
+        ray.actor.exit_actor()
+
     async def evaluate(
         self, tasks: list[Task], samples_per_task: int, temperature: float, ks: tuple[int, ...]
     ):

@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,8 +30,11 @@ from tandem.core.procs import busy_cores, cpu_ticks
 from tandem.orchestrator.actors import BufferActor, EngineActor, RolloutActor, TrainerActor
 from tandem.orchestrator.metrics import MetricsLogger, ProgressLine
 from tandem.orchestrator.rundir import check_run_dir
+from tandem.orchestrator.stopping import RunStopped, StopRequested, stop_on_signals
 from tandem.orchestrator.weightpath import WeightPath
 
+STOP_WAIT_S = 30.0
+"""How long stopping waits for each of: the workers to stop, the stop's checkpoint, the workers to exit."""
 MISMATCH_STEPS = 3
 """Steps whose (p_sampler, p_trainer) pairs the run keeps for the report (at most 2000 pairs each)."""
 
@@ -105,42 +109,85 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(dump_config(cfg))
     init_ray(cfg)
-    o, b = cfg.orchestrator, cfg.train.groups_per_step
+    st = _RunState(run_dir)
+    with stop_on_signals():
+        try:
+            return _run(cfg, run_dir, resume, resume_dir, changed, engine_reason, quiet, st)
+        except StopRequested as e:
+            _stop(st, e.signum)
+            raise AssertionError("unreachable: _stop raises") from e
 
-    weights = WeightPath(cfg, run_dir, resume)
-    trainer = TrainerActor.options(num_cpus=cfg.train.threads).remote(
+
+@dataclass
+class _RunState:
+    """What a run has started and reached so far, for the stop path (``_stop``) to save and release."""
+
+    run_dir: Path
+    trainer: Any = None
+    buffer: Any = None
+    weights: WeightPath | None = None
+    engines: list = field(default_factory=list)
+    workers: list = field(default_factory=list)
+    logger: MetricsLogger | None = None
+    step: int = 0
+    """The last step whose metrics row was logged (its version is the trainer's)."""
+    saved_step: int | None = None
+    """The step of the newest checkpoint on disk (the resumed one, a periodic one or the final one)."""
+    finished: bool = False
+    """The training loop is over and its final checkpoint and model are written."""
+
+    def actors(self) -> list:
+        extra = self.weights.actors() if self.weights is not None else []
+        return [a for a in (*self.workers, *self.engines, self.trainer, self.buffer, *extra) if a is not None]
+
+    def release(self) -> None:
+        """Close the metrics log, stop every actor (workers release their sandboxes first) and remove the
+        host share; never raises."""
+        if self.logger is not None:
+            self.logger.close()
+        _teardown(self.actors(), self.workers)
+        if self.weights is not None:
+            self.weights.remove_share()
+
+
+def _run(
+    cfg: RunConfig, run_dir: Path, resume: bool, resume_dir: str | None, changed: list[str],
+    engine_reason: str, quiet: bool, st: _RunState,
+) -> RunResult:  # fmt: skip
+    o, b = cfg.orchestrator, cfg.train.groups_per_step
+    st.weights = weights = WeightPath(cfg, run_dir, resume)
+    st.trainer = trainer = TrainerActor.options(num_cpus=cfg.train.threads).remote(
         cfg, cfg.model.path, resume_dir, weights.trainer_store()
     )
-    engines: list = []
-    workers: list = []
-    buffer = BufferActor.remote(o.buffer_max_groups)
+    st.buffer = buffer = BufferActor.remote(o.buffer_max_groups)
     try:
         urls = weights.engine_urls(trainer, cfg.engine.num_engines, run_dir)
         share = weights.engine_share(cfg.engine.num_engines)
         weights.start_leader(urls[0])
-        engines = [
+        st.engines = engines = [
             EngineActor.options(num_cpus=cfg.engine.threads, name=f"tandem-engine-{i}").remote(
                 cfg, seed=cfg.train.seed + i, weight_urls=urls[i], weight_share=share
             )
             for i in range(cfg.engine.num_engines)
         ]
-        workers = [
+        st.workers = workers = [
             RolloutActor.remote(cfg, engines, buffer, i, cfg.rollout.num_workers)
             for i in range(cfg.rollout.num_workers)
         ]
         # Wait until every actor has finished starting, so the clock below measures steady-state work.
         ray.get([e.stats.remote() for e in engines] + [w.get_errors.remote() for w in workers])
         version = ray.get(trainer.version.remote())
+        st.step = version
+        st.saved_step = version if resume else None
         # Engines serve the starting version exactly as published (resumed runs: the checkpoint's weights).
         if weights.delta or version > 0:
             weights.start(trainer, engines, version)
     except Exception as e:
-        _teardown([*workers, *engines, trainer, buffer, *weights.actors()])
-        weights.remove_share()
+        st.release()
         cause = getattr(e, "cause", None) or e
         raise TandemError(f"the run could not start: {type(cause).__name__}: {cause}") from e
 
-    logger = MetricsLogger(run_dir, append=resume)
+    st.logger = logger = MetricsLogger(run_dir, append=resume)
     progress = ProgressLine(o.steps, quiet=quiet)
     progress.note(f"engine: {cfg.engine.kind} ({engine_reason})")
     if changed:
@@ -152,9 +199,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
         try:
             eval_before = _evaluate(cfg, workers[0], eval_tasks)
         except Exception as e:
-            logger.close()
-            _teardown([*workers, *engines, trainer, buffer, *weights.actors()])
-            weights.remove_share()
+            st.release()
             cause = getattr(e, "cause", None) or e
             raise TandemError(f"evaluating the starting model failed: {cause}") from e
         (run_dir / "eval_before.json").write_text(json.dumps(eval_before, indent=2))
@@ -207,17 +252,17 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
             row.update(sync_metrics)
             engine_last = engine_now
             logger.log(row)
+            st.step = step
             history.append(row)
             progress.update(row)
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
-                ray.get(trainer.save_checkpoint.remote(str(run_dir / "checkpoints" / f"step_{step:06d}")))
+                ray.get(trainer.save_checkpoint.remote(str(_checkpoint_dir(run_dir, step))))
+                st.saved_step = step
     except Exception as e:
         errors = _collect_errors(workers, wait_s=10.0)
         if errors:
             (run_dir / "rollout_errors.log").write_text("\n".join(errors))
-        logger.close()
-        _teardown([*workers, *engines, trainer, buffer, *weights.actors()])
-        weights.remove_share()
+        st.release()
         cause = getattr(e, "cause", None) or e
         raise TandemError(
             f"training stopped at step {step}: {type(cause).__name__}: {cause}"
@@ -232,15 +277,16 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
     errors = _collect_errors(workers)
     if errors:
         (run_dir / "rollout_errors.log").write_text("\n".join(errors))
-    ray.get(trainer.save_checkpoint.remote(str(run_dir / "checkpoints" / f"step_{step:06d}")))
+    ray.get(trainer.save_checkpoint.remote(str(_checkpoint_dir(run_dir, step))))
+    st.saved_step = step
     ray.get(trainer.export_model.remote(str(run_dir / "final_model")))
+    st.finished = True
 
     eval_after = None
     if cfg.eval.before_after:
         progress.note("evaluating the final model on the held-out split")
         eval_after = _evaluate(cfg, workers[0], eval_tasks)
         (run_dir / "eval_after.json").write_text(json.dumps(eval_after, indent=2))
-    logger.close()
     result = RunResult(
         steps=len(history),
         version=version,
@@ -255,11 +301,61 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
         mismatch_pairs=[p for pairs in recent_pairs for p in pairs],
         machine_busy_cores=machine_cores,
     )
-    _teardown([*workers, *engines, trainer, buffer, *weights.actors()])
+    st.release()
     from tandem.orchestrator.report import write_report
 
     write_report(run_dir, result, cfg)
     return result
+
+
+def _checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:06d}"
+
+
+def _stop(st: _RunState, signum: int) -> None:
+    """The stop path (``tandem.orchestrator.stopping``): stop producing, checkpoint the trainer's version
+    (after a step it was running finishes) unless a checkpoint of it exists, release everything, then raise
+    ``RunStopped`` saying what was saved and how to continue. A second signal cuts it short (the handlers
+    from before the run are back)."""
+    name = signal.Signals(signum).name
+    if st.workers:
+        try:
+            ray.get([w.stop.remote() for w in st.workers], timeout=STOP_WAIT_S)
+        except Exception:  # noqa: BLE001 - a dead or stuck worker is released by the teardown below
+            pass
+    failed = ""
+    version = st.step
+    if st.trainer is not None and not st.finished:
+        try:
+            version = ray.get(st.trainer.version.remote(), timeout=STOP_WAIT_S)
+            if version > 0 and version != st.saved_step:
+                path = str(_checkpoint_dir(st.run_dir, version))
+                ray.get(st.trainer.save_checkpoint.remote(path), timeout=STOP_WAIT_S)
+                st.saved_step = version
+        except Exception as e:  # noqa: BLE001 - said in the message; an older checkpoint stays usable
+            failed = f"saving a checkpoint failed ({type(e).__name__}: {e}); "
+    st.release()
+    unlogged = (
+        f" (step {version} finished after the signal: its metrics row was not written)"
+        if version > st.step and st.saved_step == version
+        else ""
+    )
+    if st.finished:
+        what = (
+            f"training had finished: the final checkpoint and {st.run_dir / 'final_model'} are written; the "
+            "held-out evaluation and report.md were cut short"
+        )
+    elif st.saved_step:
+        what = (
+            f"{failed}the latest checkpoint is {_checkpoint_dir(st.run_dir, st.saved_step)}{unlogged}; "
+            f"continue with `tandem train --run-dir {st.run_dir} --resume`"
+        )
+    else:
+        what = (
+            f"{failed}no step had finished, so there is no checkpoint; the same command (without --resume) "
+            "starts the run over in this directory"
+        )
+    raise RunStopped(f"stopped by {name} after step {st.step}: {what}", signum)
 
 
 def _collect_errors(workers, wait_s: float = 0.0) -> list[str]:
@@ -279,8 +375,15 @@ def _collect_errors(workers, wait_s: float = 0.0) -> list[str]:
         time.sleep(0.2)
 
 
-def _teardown(actors) -> None:
-    """Kill every actor of the run; never raises (some may already be dead)."""
+def _teardown(actors, workers=()) -> None:
+    """Stop every actor of the run; never raises (some may already be dead). Rollout ``workers`` first exit
+    on their own (``RolloutActor.shutdown``: their exit hooks remove their sandboxes, which ``ray.kill``
+    would leave to the next run's sweep), for up to ``STOP_WAIT_S``; then every actor is killed."""
+    if workers:
+        try:
+            ray.wait([w.shutdown.remote() for w in workers], num_returns=len(workers), timeout=STOP_WAIT_S)
+        except Exception:  # noqa: BLE001, S110 - killed below either way
+            pass
     for actor in actors:
         try:
             ray.kill(actor)
