@@ -132,6 +132,27 @@ def test_sigterm_while_env_try_grades_leaves_nothing(tmp_path: Path, marker: str
     assert wait_no_debris(proc.pid) == []
 
 
+def test_sigterm_while_eval_runs_sessions_leaves_nothing() -> None:
+    """`tandem eval` makes its sandboxes on worker threads, which cannot set signal handlers: the command sets
+    them itself, so SIGTERM unwinds and the exit hook removes them (before, 34 were left for the next sweep
+    to find)."""
+    argv = [*TANDEM, "eval", "--n-tasks", "64", "--set", "engine.kind=builtin"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        end = time.monotonic() + 300
+        while len(debris(proc.pid)) < 4:  # sessions are running in sandboxes
+            assert proc.poll() is None and time.monotonic() < end, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert wait_no_debris(proc.pid) == []
+
+
 def test_other_live_processes_keep_their_sandboxes(tmp_path: Path, marker: str) -> None:
     """A process exiting cleans up its own sandboxes only, never those of another live tandem process."""
     other = subprocess.Popen([sys.executable, "-c", SANDBOX_SCRIPT, "disk", "auto", *halves(marker)])

@@ -155,7 +155,9 @@ def eval_(
     if any(x < 1 for x in ks):
         fail(f"--k must be >= 1, got {ks}")
     from tandem.orchestrator import eval_model
+    from tandem.sandbox.cleanup import exit_on_signals
 
+    exit_on_signals()  # its sandboxes are made on worker threads, which cannot set it: SIGTERM then cleans up
     try:
         result = eval_model(cfg, model_path, split, samples, ks, n_tasks)
     except (TandemError, ValueError) as e:
