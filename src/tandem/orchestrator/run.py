@@ -30,7 +30,13 @@ from tandem.core.procs import busy_cores, cpu_ticks
 from tandem.orchestrator.actors import BufferActor, EngineActor, RolloutActor, TrainerActor
 from tandem.orchestrator.metrics import MetricsLogger, ProgressLine
 from tandem.orchestrator.rundir import check_run_dir
-from tandem.orchestrator.stopping import RunStopped, StopRequested, stop_on_signals
+from tandem.orchestrator.stopping import (
+    RunStopped,
+    StopRequested,
+    raise_if_stopping,
+    stop_on_signals,
+    stop_requested,
+)
 from tandem.orchestrator.weightpath import WeightPath
 
 STOP_WAIT_S = 30.0
@@ -116,6 +122,12 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
         except StopRequested as e:
             _stop(st, e.signum)
             raise AssertionError("unreachable: _stop raises") from e
+        except Exception as e:  # after the loop (final evaluation, report): a stop signal's mangled exception
+            signum = stop_requested()
+            if signum is None:
+                raise
+            _stop(st, signum)
+            raise AssertionError("unreachable: _stop raises") from e
 
 
 @dataclass
@@ -183,6 +195,7 @@ def _run(
         if weights.delta or version > 0:
             weights.start(trainer, engines, version)
     except Exception as e:
+        raise_if_stopping(e)  # a stop signal's exception, mangled by C code
         st.release()
         cause = getattr(e, "cause", None) or e
         raise TandemError(f"the run could not start: {type(cause).__name__}: {cause}") from e
@@ -199,6 +212,7 @@ def _run(
         try:
             eval_before = _evaluate(cfg, workers[0], eval_tasks)
         except Exception as e:
+            raise_if_stopping(e)  # a stop signal's exception, mangled by C code
             st.release()
             cause = getattr(e, "cause", None) or e
             raise TandemError(f"evaluating the starting model failed: {cause}") from e
@@ -259,6 +273,7 @@ def _run(
                 ray.get(trainer.save_checkpoint.remote(str(_checkpoint_dir(run_dir, step))))
                 st.saved_step = step
     except Exception as e:
+        raise_if_stopping(e)  # a stop signal's exception, mangled by C code
         errors = _collect_errors(workers, wait_s=10.0)
         if errors:
             (run_dir / "rollout_errors.log").write_text("\n".join(errors))

@@ -10,6 +10,10 @@ Invariants:
 - The first signal restores the handlers that were there before, so a second signal acts as it would have
   without tandem (Ctrl-C raises ``KeyboardInterrupt``, SIGTERM exits): a user can always cut a slow stop
   short. Leaving the block restores them too.
+- A handler's exception raised inside a C extension's call (Ray's, while an actor handle is made) can come out
+  as another exception (``SystemError``) that the run's failure paths would take for a failure: the signal
+  is also recorded, and :func:`stop_requested` says which arrived in the current block, so those paths
+  turn it back into a stop (``StopRequested`` from :func:`raise_if_stopping`).
 - :class:`RunStopped` is the error the run raises once it has stopped: its message says at which step, what
   was saved and how to continue; ``exit_code`` is the shell's convention for the signal, 128 + its number.
 """
@@ -44,12 +48,29 @@ class RunStopped(TandemError):
         self.exit_code = 128 + signum
 
 
+_requested: int | None = None
+
+
+def stop_requested() -> int | None:
+    """The stop signal received inside the current :func:`stop_on_signals` block, if any."""
+    return _requested
+
+
+def raise_if_stopping(error: BaseException) -> None:
+    """Raise ``StopRequested`` (from ``error``) when a stop signal arrived: ``error`` is then most likely
+    that signal's exception, mangled by the C code it was raised in (module invariants)."""
+    if _requested is not None:
+        raise StopRequested(_requested) from error
+
+
 @contextmanager
 def stop_on_signals() -> Iterator[None]:
     """Turn the stop signals into :class:`StopRequested` while inside (module invariants)."""
+    global _requested
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _requested = None
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
 
     def restore() -> None:
@@ -60,7 +81,9 @@ def stop_on_signals() -> Iterator[None]:
                 pass
 
     def on_signal(signum: int, frame: object) -> None:
+        global _requested
         restore()  # a second signal acts at once
+        _requested = signum
         raise StopRequested(signum)
 
     for sig in STOP_SIGNALS:
@@ -72,3 +95,4 @@ def stop_on_signals() -> Iterator[None]:
         yield
     finally:
         restore()
+        _requested = None
