@@ -13,6 +13,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,31 @@ def test_the_first_signal_asks_to_stop_and_a_second_acts_as_before(sig):
     # runs), SIGTERM and SIGHUP by their default action, at once
     assert proc.returncode == -sig
     assert ("unreachable" in out) == (sig == signal.SIGINT)
+
+
+@pytest.mark.slow
+def test_a_stop_while_the_actors_start_is_a_stop_not_a_failure(tmp_path):
+    """A signal during startup interrupts Ray's C code, which turned the handler's exception into a
+    SystemError: the run reported "could not start" (exit 2). It is a stop, with nothing to resume."""
+    run_dir = tmp_path / "run"
+    before = tandem_debris()
+    proc = subprocess.Popen(
+        [*TANDEM, "train", "--preset", "smoke", "--run-dir", str(run_dir)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        end = time.monotonic() + 300
+        while not (run_dir / "weights").is_dir():  # made once the run's handlers are set, as actors start
+            assert proc.poll() is None and time.monotonic() < end, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped by SIGTERM after step 0: no step had finished, so there is no checkpoint" in err
+    assert not (run_dir / "checkpoints").exists()
+    assert tandem_debris() <= before
