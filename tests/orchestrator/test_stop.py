@@ -1,4 +1,4 @@
-"""Stopping a run (src/tandem/orchestrator/stopping.py): SIGTERM, SIGINT or SIGHUP ends `tandem train` through
+"""Stopping a run (src/tandem/core/stopping.py): SIGTERM, SIGINT or SIGHUP ends `tandem train` through
 its stop path: a checkpoint of the trainer's version, every actor released (no sandbox left behind), the
 shell's exit code for the signal, a message saying how to continue; `--resume` then continues. Real Ray,
 real sandboxes, the shipped model."""
@@ -86,7 +86,7 @@ def test_sigterm_stops_a_run_with_a_checkpoint_and_nothing_left_then_resume_cont
 SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, time
-    from tandem.orchestrator.stopping import StopRequested, stop_on_signals
+    from tandem.core.stopping import StopRequested, stop_on_signals
     before = signal.getsignal(signal.SIGTERM)
     try:
         with stop_on_signals():

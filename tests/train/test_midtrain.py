@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -101,3 +105,46 @@ def test_resume_continues_the_same_trajectory(tmp_path):
 def test_resume_without_checkpoint_fails(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         run_midtrain("smoke", tmp_path / "empty", resume=True, threads=1, progress=False)
+
+
+def test_sigterm_stops_at_a_step_boundary_with_a_checkpoint_and_resume_continues_the_same_trajectory(
+    tmp_path,
+):
+    """SIGTERM during training: the running step finishes, a checkpoint is written, the command says how to
+    continue and exits 143; resuming gives the losses and weights of a run that was never stopped."""
+    out = tmp_path / "stopped"
+    argv = [sys.executable, "-m", "tandem.cli.main", "midtrain", "--preset", "smoke", "--steps", "400",
+            "--threads", "1", "--out", str(out)]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if line.startswith("midtrain step 2/400"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = "".join(seen) + err
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    said = r"stopped by SIGTERM \(checkpointed\) at step (\d+); continue with --resume --out (\S+)"
+    m = re.search(said, err)
+    assert m, err[-3000:]
+    at = int(m.group(1))
+    assert m.group(2) == str(out)
+    assert 2 <= at < 400 and (out / "checkpoint" / "state.pt").is_file()
+    rows = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows == list(range(1, at + 1))
+
+    until = at + 2
+    resumed = run_midtrain("smoke", out, resume=True, steps=400, threads=1, stop_after=until, progress=False)
+    never = run_midtrain("smoke", tmp_path / "never", steps=400, threads=1, stop_after=until, progress=False)
+    assert resumed["steps_done"] == never["steps_done"] == until and resumed["stopped_by"] is None
+
+    def losses(d):
+        return [json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines()]
+
+    assert losses(out) == losses(tmp_path / "never")

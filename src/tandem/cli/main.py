@@ -116,12 +116,12 @@ def train(
         overrides.append(f'orchestrator.ray_address="{ray_address}"')
     cfg = build_config(preset, config, overrides)
     check_model_path(cfg.model.path)
+    from tandem.core.stopping import StoppedError
     from tandem.orchestrator import train as run_train
-    from tandem.orchestrator.stopping import RunStopped
 
     try:
         result = run_train(cfg, run_dir, resume=resume)
-    except RunStopped as e:  # Ctrl-C, SIGTERM or SIGHUP: saved and released; the shell's code for the signal
+    except StoppedError as e:  # Ctrl-C, SIGTERM or SIGHUP: saved and released; exit 128 + the signal
         typer.echo(str(e), err=True)
         raise typer.Exit(e.exit_code) from None
     except (TandemError, FileNotFoundError) as e:

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import platform
 import shutil
+import signal
 import sys
 import time
 import zipfile
@@ -29,6 +30,7 @@ from typing import Annotated, Any
 import typer
 
 from tandem.cli.checks import threads_problem, writable_dir_problem
+from tandem.core.stopping import StopRequested, stop_on_signals
 from tandem.train.midtrain import CHECKPOINT, MidtrainSettings, midtrain, pack
 
 
@@ -252,9 +254,21 @@ def midtrain_command(
         typer.echo(f"error: {problem}", err=True)
         raise typer.Exit(2)
     try:
-        recipe = run_midtrain(
-            preset, out_dir, resume=resume, steps=steps, threads=threads, stop_after=stop_after
+        with stop_on_signals():
+            recipe = run_midtrain(
+                preset, out_dir, resume=resume, steps=steps, threads=threads, stop_after=stop_after
+            )
+    except StopRequested as e:  # before the first step (tokenizer, corpus): nothing to save yet
+        typer.echo(
+            f"stopped by {signal.Signals(e.signum).name} before training started; "
+            + (
+                "the same command resumes again"
+                if resume
+                else f"nothing was trained: remove {out_dir} (or pass another --out) and start again"
+            ),
+            err=True,
         )
+        raise typer.Exit(128 + e.signum) from None
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -263,8 +277,12 @@ def midtrain_command(
             f"wrote {out_dir} ({recipe['params']:,} params, final loss {recipe['final_loss']:.4f}, "
             f"{recipe['total_wall_s']:.0f}s)"
         )
-    else:
-        typer.echo(f"stopped at step {recipe['steps_done']}; continue with --resume --out {out_dir}")
+        return
+    at = f"at step {recipe['steps_done']}; continue with --resume --out {out_dir}"
+    if recipe["stopped_by"]:  # Ctrl-C, SIGTERM or SIGHUP, at a step boundary, checkpointed
+        typer.echo(f"stopped by {recipe['stopped_by']} (checkpointed) " + at, err=True)
+        raise typer.Exit(128 + signal.Signals[recipe["stopped_by"]].value)
+    typer.echo("stopped " + at)
 
 
 def _check_options(preset: str, steps: int | None, threads: int, stop_after: int | None) -> str | None:

@@ -27,16 +27,10 @@ import ray
 from tandem.core.config import RunConfig, dump_config
 from tandem.core.errors import TandemError
 from tandem.core.procs import busy_cores, cpu_ticks
+from tandem.core.stopping import StoppedError, StopRequested, raise_if_stopping, stop_on_signals
 from tandem.orchestrator.actors import BufferActor, EngineActor, RolloutActor, TrainerActor
 from tandem.orchestrator.metrics import MetricsLogger, ProgressLine
 from tandem.orchestrator.rundir import check_run_dir
-from tandem.orchestrator.stopping import (
-    RunStopped,
-    StopRequested,
-    raise_if_stopping,
-    stop_on_signals,
-    stop_requested,
-)
 from tandem.orchestrator.weightpath import WeightPath
 
 STOP_WAIT_S = 30.0
@@ -116,17 +110,16 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
     (run_dir / "config.toml").write_text(dump_config(cfg))
     init_ray(cfg)
     st = _RunState(run_dir)
-    with stop_on_signals():
+    with stop_on_signals() as stop:
         try:
             return _run(cfg, run_dir, resume, resume_dir, changed, engine_reason, quiet, st)
         except StopRequested as e:
             _stop(st, e.signum)
             raise AssertionError("unreachable: _stop raises") from e
         except Exception as e:  # after the loop (final evaluation, report): a stop signal's mangled exception
-            signum = stop_requested()
-            if signum is None:
+            if stop.signum is None:
                 raise
-            _stop(st, signum)
+            _stop(st, stop.signum)
             raise AssertionError("unreachable: _stop raises") from e
 
 
@@ -328,9 +321,9 @@ def _checkpoint_dir(run_dir: Path, step: int) -> Path:
 
 
 def _stop(st: _RunState, signum: int) -> None:
-    """The stop path (``tandem.orchestrator.stopping``): stop producing, checkpoint the trainer's version
+    """The stop path (``tandem.core.stopping``): stop producing, checkpoint the trainer's version
     (after a step it was running finishes) unless a checkpoint of it exists, release everything, then raise
-    ``RunStopped`` saying what was saved and how to continue. A second signal cuts it short (the handlers
+    ``StoppedError`` saying what was saved and how to continue. A second signal cuts it short (the handlers
     from before the run are back)."""
     name = signal.Signals(signum).name
     if st.workers:
@@ -370,7 +363,7 @@ def _stop(st: _RunState, signum: int) -> None:
             f"{failed}no step had finished, so there is no checkpoint; the same command (without --resume) "
             "starts the run over in this directory"
         )
-    raise RunStopped(f"stopped by {name} after step {st.step}: {what}", signum)
+    raise StoppedError(f"stopped by {name} after step {st.step}: {what}", signum)
 
 
 def _collect_errors(workers, wait_s: float = 0.0) -> list[str]:

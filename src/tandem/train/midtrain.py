@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from tandem.core import stopping
+
 CHECKPOINT = "checkpoint/state.pt"
 
 
@@ -137,7 +139,9 @@ def midtrain(
 
     ``resume`` restores ``<out_dir>/checkpoint/state.pt`` (its settings and data fingerprint must match).
     ``stop_after`` ends this invocation after that many total steps (checkpointing first) without changing
-    the schedule, as an interruption would.
+    the schedule, as an interruption would. Inside ``tandem.core.stopping.stop_on_signals`` a stop signal
+    (Ctrl-C, SIGTERM, SIGHUP) does the same at the end of the running step (``stopped_by`` names it); a
+    resume then continues the same trajectory.
     """
     import torch
 
@@ -188,7 +192,7 @@ def midtrain(
     end = s.steps if stop_after is None else min(s.steps, stop_after)
     t0, last_loss = time.monotonic(), float("nan")
     tokens_per_step = s.batch_size * s.seq_len
-    with metrics_path.open("a") as mf:
+    with metrics_path.open("a") as mf, stopping.deferred() as stop:
         while step < end:
             lr = lr_at(step, s)
             for g in opt.param_groups:
@@ -221,8 +225,13 @@ def midtrain(
                     file=sys.stderr,
                     flush=True,
                 )
-            if step % s.checkpoint_every == 0 or step == end:
+            saved = step % s.checkpoint_every == 0 or step == end
+            if saved:
                 checkpoint(step, wall)
+            if stop is not None and stop.signum is not None:  # a stop signal: end at this step boundary
+                if not saved:
+                    checkpoint(step, wall)
+                break
     model.eval()
     return {
         "steps_done": step,
@@ -232,4 +241,5 @@ def midtrain(
         "tokens_seen": step * tokens_per_step,
         "data_fingerprint": fp,
         "finished": step >= s.steps,
+        "stopped_by": stop.name if stop is not None and stop.signum is not None else None,
     }
