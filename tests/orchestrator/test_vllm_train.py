@@ -4,6 +4,7 @@ real sandboxes, weights following the trainer as lossless deltas patched into vL
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_train_a_few_steps_on_the_vllm_engine(tmp_path):
     run_dir = tmp_path / "run"
+    before = set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))
     args = ["--preset", "smoke", "--run-dir", str(run_dir), "--set", "engine.kind=vllm"]
     args += ["--set", "orchestrator.steps=3", "--set", "tasks.heldout_size=2"]
     r = subprocess.run(
@@ -35,3 +37,5 @@ def test_train_a_few_steps_on_the_vllm_engine(tmp_path):
     for name in ("eval_before.json", "eval_after.json"):
         result = json.loads((run_dir / name).read_text())
         assert result["n"] == 2 and 0.0 <= result["pass@1"] <= 1.0
+    # the engine actor released vLLM before it was killed: its rendezvous file (one per engine) is gone
+    assert set(Path(tempfile.gettempdir()).glob("vllm_dist_*")) <= before

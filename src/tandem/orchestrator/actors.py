@@ -106,7 +106,12 @@ class EngineActor:
         return out
 
     async def shutdown(self) -> None:
+        """Stop serving and release the engine (vLLM's engine core and its rendezvous file in the temp dir,
+        which ``ray.kill`` alone leaves behind), before the caller kills this actor."""
         self.engine.stop()
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
 
 
 FAIL_FAST_GROUPS = 16  # groups failing in a row (none finishing) after which the trainer stops waiting
@@ -303,9 +308,15 @@ class RolloutActor:
             t.cancel()
 
     async def shutdown(self) -> None:
-        """Stop producing and exit this actor's process normally, so its exit hooks remove every sandbox,
-        layer cache and ``/etc`` copy it made (``ray.kill`` would leave them to the next run's sweep)."""
+        """Stop producing, remove every sandbox, layer cache and ``/etc`` copy this process made, then exit
+        it. The removal happens before this call returns: the caller kills the actor right after, which
+        could cut its exit hooks short (``ray.kill`` alone left them all to the next run's sweep)."""
+        from tandem.sandbox.cleanup import release_now
+
         await self.stop()
+        if self.inflight:  # let the cancelled sessions close their own sandboxes first
+            await asyncio.wait(list(self.inflight), timeout=10)
+        await asyncio.to_thread(release_now)
         ray.actor.exit_actor()
 
     async def evaluate(

@@ -146,11 +146,11 @@ class _RunState:
         return [a for a in (*self.workers, *self.engines, self.trainer, self.buffer, *extra) if a is not None]
 
     def release(self) -> None:
-        """Close the metrics log, stop every actor (workers release their sandboxes first) and remove the
-        host share; never raises."""
+        """Close the metrics log, stop every actor (workers and engines release what they hold first) and
+        remove the host share; never raises."""
         if self.logger is not None:
             self.logger.close()
-        _teardown(self.actors(), self.workers)
+        _teardown(self.actors(), [*self.workers, *self.engines])
         if self.weights is not None:
             self.weights.remove_share()
 
@@ -383,13 +383,14 @@ def _collect_errors(workers, wait_s: float = 0.0) -> list[str]:
         time.sleep(0.2)
 
 
-def _teardown(actors, workers=()) -> None:
-    """Stop every actor of the run; never raises (some may already be dead). Rollout ``workers`` first exit
-    on their own (``RolloutActor.shutdown``: their exit hooks remove their sandboxes, which ``ray.kill``
-    would leave to the next run's sweep), for up to ``STOP_WAIT_S``; then every actor is killed."""
-    if workers:
+def _teardown(actors, graceful=()) -> None:
+    """Stop every actor of the run; never raises (some may already be dead). The ``graceful`` ones (rollout
+    workers and engines) first release what they hold outside their process (``shutdown``: sandboxes, layer
+    caches and ``/etc`` copies; vLLM's engine core and rendezvous file), which ``ray.kill`` alone left to the
+    next run's sweep or for good, for up to ``STOP_WAIT_S``; then every actor is killed."""
+    if graceful:
         try:
-            ray.wait([w.shutdown.remote() for w in workers], num_returns=len(workers), timeout=STOP_WAIT_S)
+            ray.wait([a.shutdown.remote() for a in graceful], num_returns=len(graceful), timeout=STOP_WAIT_S)
         except Exception:  # noqa: BLE001, S110 - killed below either way
             pass
     for actor in actors:

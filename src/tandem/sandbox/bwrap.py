@@ -92,7 +92,8 @@ def _etc_key() -> tuple[tuple[str, int, int, int, int], ...]:
     return tuple(key)
 
 
-def _remove_etc_copies() -> None:
+def remove_etc_copies() -> None:
+    """Delete this process's ``/etc`` copies (at exit, or by ``cleanup.release_now``)."""
     with _etc_lock:
         for d in _etc_copies.values():
             if f"-{os.getpid()}-etc-" in d.name:  # not a parent's, in a forked child that exits
@@ -131,7 +132,7 @@ def etc_copy() -> Path:
             shutil.rmtree(d, ignore_errors=True)
             raise
         if not _etc_copies:
-            atexit.register(_remove_etc_copies)
+            atexit.register(remove_etc_copies)
         _etc_copies[key] = d
         return d
 

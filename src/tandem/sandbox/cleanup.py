@@ -137,6 +137,16 @@ def release_everything() -> None:
 atexit.register(release_everything)
 
 
+def release_now() -> None:
+    """What the exit hooks would release (``release_everything`` and the ``/etc`` copies), released now, for
+    a process about to be killed rather than exit (a Ray actor's shutdown: ``ray.kill`` may come before its
+    exit hooks finish). No sandbox can be made afterwards (:func:`exiting`)."""
+    from tandem.sandbox.bwrap import remove_etc_copies
+
+    release_everything()
+    remove_etc_copies()
+
+
 def _exit_now(signum: int, frame: object) -> None:
     signal.signal(signum, signal.SIG_DFL)  # a second signal kills at once
     raise SystemExit(128 + signum)
