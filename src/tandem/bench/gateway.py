@@ -285,7 +285,7 @@ def run_gateway_bench(
         for c in clients:
             c.close()
         server.stop()
-        engine.stop()
+        getattr(engine, "close", engine.stop)()  # close: vLLM also frees its engine core and rendezvous file
         torch.set_num_threads(old)
         thaw_heap()
     steal = steal_fraction(ticks0, cpu_ticks())

@@ -5,7 +5,7 @@ user error (a non-loopback host without --api-key, an engine that is not availab
 --log-level, --threads outside 1..``MAX_THREADS``, a KV cache of --max-batch + --max-parked sequences of
 --max-seq-len tokens larger than the machine's memory, a missing model directory, an address in use) prints
 one ``error:`` line naming the value and exits with status 2. The
-engine is stopped when the server exits (Ctrl-C or SIGTERM).
+engine is closed when the server exits (Ctrl-C, or SIGTERM/SIGHUP: exit status 128 + the signal).
 """
 
 from __future__ import annotations
@@ -217,8 +217,13 @@ def serve(
     from tandem.core.procs import freeze_heap
 
     freeze_heap()  # the served state lives as long as the process: full GC passes skip it
+    from tandem.sandbox.cleanup import exit_on_signals
+
+    # uvicorn re-raises the SIGTERM it caught once it has shut down; with the default action that killed the
+    # process before the engine was closed (vLLM's engine core and its rendezvous file in the temp dir)
+    exit_on_signals()
     try:
         run_forever(app, sock, log_level=log_level)
     finally:
-        eng.stop()
+        getattr(eng, "close", eng.stop)()  # close: vLLM also frees its engine core and rendezvous file
         sock.close()
