@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import tandem_debris
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -24,6 +26,7 @@ def tandem(*args, cwd=REPO, timeout=900):
 @pytest.mark.slow
 def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
+    before = tandem_debris()
     r = tandem("train", "--preset", "smoke", "--run-dir", str(run_dir))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -107,6 +110,8 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
     # lead_yield_ms in vain and led the step itself (0.5): either way one decode for the host.
     assert rows[-1]["weight_shared_frac"] in (0.5, 1.0)
     assert set(Path("/dev/shm").glob("tandem-share-*")) == shares_before  # the run removed its share
+    # a finished run leaves no sandbox, layer cache or /etc copy behind (its actors release them first)
+    assert tandem_debris() <= before
 
 
 def test_invalid_config_refuses_to_start_and_names_the_field(tmp_path):
