@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +14,7 @@ import torch
 from tandem.core.errors import ModelLoadError
 from tandem.model.build import build_model, num_params, qwen3_config
 from tandem.model.chat import ChatTemplate
-from tandem.model.load import load_chat_format, load_model
+from tandem.model.load import load_chat_format, load_model, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +88,45 @@ def test_missing_files(model_dir, tmp_path):
 def test_bad_dtype(model_dir):
     with pytest.raises(ModelLoadError, match="float16"):
         load_model(model_dir, dtype="float16")
+
+
+SHIPPED = Path(__file__).resolve().parents[2] / "models" / "tandem-base"
+
+
+def test_the_generic_tokenizer_loads_without_auto_and_is_the_same_tokenizer(tmp_path):
+    """``load_tokenizer`` skips ``AutoTokenizer`` (and so torch) for the generic fast tokenizer; the result
+    tokenizes exactly as ``AutoTokenizer``'s does."""
+    from transformers import AutoTokenizer
+
+    ours, auto = load_tokenizer(SHIPPED), AutoTokenizer.from_pretrained(str(SHIPPED), local_files_only=True)
+    assert type(ours) is type(auto)
+    assert ours.get_vocab() == auto.get_vocab() and ours.all_special_ids == auto.all_special_ids
+    assert ours.init_kwargs == auto.init_kwargs
+    sources = sorted((SHIPPED.parents[1] / "src" / "tandem" / "model").glob("*.py"))
+    text = "".join(p.read_text() for p in sources)
+    pieces = [text[i : i + 97 + i % 400] for i in range(0, len(text), 997)]
+    pieces += ["<|im_start|>user\nÜnïcode 🙂 中文<|im_end|>", "<tool_call>{}</tool_call><|endoftext|>"]
+    for piece in pieces:
+        ids = auto.encode(piece)
+        assert ours.encode(piece) == ids and ours.decode(ids) == auto.decode(ids)
+    chat = [{"role": "user", "content": "hi"}]
+    assert ChatTemplate(ours).render_prompt(chat, []) == ChatTemplate(auto).render_prompt(chat, [])
+    # in a fresh process: no torch, no model registry
+    code = (
+        "import sys; from tandem.model.load import load_tokenizer; "
+        f"load_tokenizer({str(SHIPPED)!r}); "
+        "print('torch' in sys.modules, 'transformers.models.auto.modeling_auto' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+    # no class named: AutoTokenizer, which then picks config.json's model type's tokenizer (not the same one)
+    other = tmp_path / "other"
+    shutil.copytree(SHIPPED, other)
+    cfg = json.loads((other / "tokenizer_config.json").read_text())
+    del cfg["tokenizer_class"]
+    (other / "tokenizer_config.json").write_text(json.dumps(cfg))
+    by_type = AutoTokenizer.from_pretrained(str(other), local_files_only=True)
+    assert type(load_tokenizer(other)) is type(by_type) is not type(auto)
+    (other / "tokenizer_config.json").write_text("{not json")  # unreadable: AutoTokenizer's own error
+    with pytest.raises(ModelLoadError, match="could not load the tokenizer"):
+        load_tokenizer(other)

@@ -49,16 +49,11 @@ def _set_threads(n: int) -> None:
 class EngineActor:
     """Serves ``generate`` for rollout workers from one engine (``engine.kind``); applies verified updates."""
 
-    def __init__(
-        self,
-        cfg: RunConfig,
-        seed: int = 0,
-        weight_urls: list[str] | None = None,
-        weight_share: str | None = None,
-    ) -> None:
+    def __init__(self, cfg: RunConfig, seed: int = 0) -> None:
         _set_threads(cfg.engine.threads)
         from tandem.engine import create_engine
 
+        self.cfg = cfg
         self.engine = create_engine(
             cfg.model.path,
             cfg.engine,
@@ -68,25 +63,28 @@ class EngineActor:
         )
         self.engine.start()
         self.weight_sync = None
-        if weight_urls:
-            from tandem.engine.follow import EngineWeightSync
-
-            w = cfg.weights
-            self.weight_sync = EngineWeightSync(
-                self.engine,
-                weight_urls,
-                w.connections,
-                w.codec_threads,
-                w.follow_nice,
-                share=weight_share,
-                lead_yield_ms=w.lead_yield_ms,
-                host_leader=weight_share is not None and w.host_leader,
-            )
         freeze_heap()
+
+    async def connect_weights(self, weight_urls: list[str], weight_share: str | None = None) -> None:
+        """Follow the weight store at ``weight_urls`` (the delta path; the URLs are known only once the
+        trainer actor serves its store, so engines start beside the trainer and are connected after)."""
+        from tandem.engine.follow import EngineWeightSync
+
+        w = self.cfg.weights
+        self.weight_sync = EngineWeightSync(
+            self.engine,
+            weight_urls,
+            w.connections,
+            w.codec_threads,
+            w.follow_nice,
+            share=weight_share,
+            lead_yield_ms=w.lead_yield_ms,
+            host_leader=weight_share is not None and w.host_leader,
+        )
 
     async def follow(self, version: int) -> dict[str, Any]:
         """Fetch, verify and apply ``version`` from the weight store while serving (delta path)."""
-        assert self.weight_sync is not None, "this engine was started without weight store URLs"
+        assert self.weight_sync is not None, "this engine was never connected to a weight store"
         return await asyncio.to_thread(self.weight_sync.sync, version)
 
     async def generate(self, request):
@@ -223,7 +221,9 @@ class RolloutActor:
     """Produces groups for the buffer (training) and runs evaluations, against the engine actors."""
 
     def __init__(self, cfg: RunConfig, engines: list, buffer, index: int = 0, num_workers: int = 1) -> None:
-        _set_threads(1)
+        # No torch here: the worker only tokenizes and runs sandboxes, and importing torch and transformers'
+        # models was most of its ~6 s start. One thread for anything that imports it later.
+        os.environ["OMP_NUM_THREADS"] = "1"
         from tandem.model import load_chat_format
         from tandem.rollout import RolloutWorker, TaskStream
 

@@ -20,7 +20,17 @@ def eval_model(
     ks: tuple[int, ...] = (1,),
     n_tasks: int | None = None,
 ) -> dict[str, Any]:
-    """Evaluate ``model_path`` on ``split`` and return ``{"pass@1", "n", ...}``."""
+    """Evaluate ``model_path`` on ``split`` and return ``{"pass@1", "n", ...}``. Every argument is checked
+    before anything is loaded (a bad one is a ``ValueError`` naming the option, in about a second rather than
+    after an engine start)."""
+    if split not in ("heldout", "train"):
+        raise ValueError(f"--split must be 'heldout' or 'train', got {split!r}")
+    for option, value in (("--n-tasks", n_tasks), ("--samples", samples_per_task)):
+        if value is not None and value < 1:
+            raise ValueError(f"{option} must be >= 1, got {value}; omit it for the config's default")
+    spt = max(cfg.eval.samples_per_task, max(ks)) if samples_per_task is None else samples_per_task
+    if max(ks) > spt:
+        raise ValueError(f"pass@{max(ks)} needs --samples >= {max(ks)}, got --samples {spt}")
     import torch
 
     from tandem.engine import create_engine
@@ -30,13 +40,10 @@ def eval_model(
     from tandem.rollout import RolloutWorker, evaluate
     from tandem.rollout.worker import apply_limits
 
-    if split not in ("heldout", "train"):
-        raise ValueError(f"--split must be 'heldout' or 'train', got {split!r}")
-    for option, value in (("--n-tasks", n_tasks), ("--samples", samples_per_task)):
-        if value is not None and value < 1:
-            raise ValueError(f"{option} must be >= 1, got {value}; omit it for the config's default")
     torch.set_num_threads(max(1, cfg.engine.threads))
     chat = load_chat_format(model_path)
+    n = cfg.tasks.heldout_size if n_tasks is None else n_tasks
+    tasks = [apply_limits(t, cfg) for t in tasks_for(cfg.tasks, split, n)]
     kind, _ = choose_engine(cfg.engine, model_path, builtin_only_setting(cfg))
     engine = create_engine(
         model_path,
@@ -46,9 +53,6 @@ def eval_model(
         deterministic=cfg.train.deterministic,
     )
     engine.start()
-    n = cfg.tasks.heldout_size if n_tasks is None else n_tasks
-    tasks = [apply_limits(t, cfg) for t in tasks_for(cfg.tasks, split, n)]
-    spt = max(cfg.eval.samples_per_task, max(ks)) if samples_per_task is None else samples_per_task
 
     async def generate(request):
         return await asyncio.wrap_future(engine.submit(request))

@@ -166,12 +166,12 @@ def _run(
     )
     st.buffer = buffer = BufferActor.remote(o.buffer_max_groups)
     try:
-        urls = weights.engine_urls(trainer, cfg.engine.num_engines, run_dir)
-        share = weights.engine_share(cfg.engine.num_engines)
-        weights.start_leader(urls[0])
+        # Every actor starts at once (each start is mostly imports and model loading); the engines are
+        # connected to the trainer's weight store once it serves. Smoke preset here: 7.1 s from ray.init
+        # to every actor started, 10.0 s when the engines started only once the trainer served.
         st.engines = engines = [
             EngineActor.options(num_cpus=cfg.engine.threads, name=f"tandem-engine-{i}").remote(
-                cfg, seed=cfg.train.seed + i, weight_urls=urls[i], weight_share=share
+                cfg, seed=cfg.train.seed + i
             )
             for i in range(cfg.engine.num_engines)
         ]
@@ -179,6 +179,7 @@ def _run(
             RolloutActor.remote(cfg, engines, buffer, i, cfg.rollout.num_workers)
             for i in range(cfg.rollout.num_workers)
         ]
+        weights.connect(trainer, engines, run_dir)
         # Wait until every actor has finished starting, so the clock below measures steady-state work.
         ray.get([e.stats.remote() for e in engines] + [w.get_errors.remote() for w in workers])
         version = ray.get(trainer.version.remote())

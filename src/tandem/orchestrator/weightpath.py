@@ -58,10 +58,19 @@ class WeightPath:
     def trainer_store(self) -> str | None:
         return self.store
 
-    def engine_urls(self, trainer, n_engines: int, run_dir: Path) -> list[list[str] | None]:
-        """Per engine, the URLs it fetches weights from (None on the object-store path)."""
+    def connect(self, trainer, engines: list, run_dir: Path) -> None:
+        """On the delta path, connect every engine to the trainer's store (through its relay) and start the
+        host leader; returns once every engine is connected (so once each has started). Nothing to do on
+        the object-store path."""
         if not self.delta:
-            return [None] * n_engines
+            return
+        urls = self._engine_urls(trainer, len(engines), run_dir)
+        share = self._engine_share(len(engines))
+        self._start_leader(urls[0])
+        ray.get([e.connect_weights.remote(u, share) for e, u in zip(engines, urls, strict=True)])
+
+    def _engine_urls(self, trainer, n_engines: int, run_dir: Path) -> list[list[str]]:
+        """Per engine, the URLs it fetches weights from: its relay (if any), then the store server."""
         upstream = ray.get(trainer.weights_url.remote())
         w = self.cfg.weights
         self.relays = [
@@ -73,7 +82,7 @@ class WeightPath:
             ([relay_urls[i % len(relay_urls)]] if relay_urls else []) + [upstream] for i in range(n_engines)
         ]
 
-    def engine_share(self, n_engines: int) -> str | None:
+    def _engine_share(self, n_engines: int) -> str | None:
         """The host share directory the engines use (None with one engine, on the object-store path, or
         with ``weights.host_share`` off). Engines on another host create the same path in their own
         ``/dev/shm``, so each host shares among its own engines."""
@@ -84,7 +93,7 @@ class WeightPath:
         self.share_dir = str(default_share_root() / f"tandem-share-{uuid.uuid4().hex[:16]}")
         return self.share_dir
 
-    def start_leader(self, urls: list[str] | None) -> None:
+    def _start_leader(self, urls: list[str] | None) -> None:
         """With a host share and ``weights.host_leader``: start the host's leader, fetching from ``urls``
         (an engine's: its relay, then the store server)."""
         if self.share_dir is not None and urls and self.cfg.weights.host_leader:
