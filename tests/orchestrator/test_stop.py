@@ -109,11 +109,13 @@ def test_the_first_signal_asks_to_stop_and_a_second_acts_as_before(sig):
 @pytest.mark.slow
 def test_a_stop_while_the_actors_start_is_a_stop_not_a_failure(tmp_path):
     """A signal during startup interrupts Ray's C code, which turned the handler's exception into a
-    SystemError: the run reported "could not start" (exit 2). It is a stop, with nothing to resume."""
-    run_dir = tmp_path / "run"
+    SystemError: the run reported "could not start" (exit 2). It is a stop, with nothing to resume. The run
+    here is the first of `bench pipeline`'s two, which also reported a stop as a benchmark error (exit 2)."""
+    run_dir = tmp_path / "sync"
     before = tandem_debris()
     proc = subprocess.Popen(
-        [*TANDEM, "train", "--preset", "smoke", "--run-dir", str(run_dir)],
+        [*TANDEM, "bench", "pipeline", "--preset", "smoke", "--budget-s", "60", "--run-root", str(tmp_path),
+         "--json"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -123,12 +125,16 @@ def test_a_stop_while_the_actors_start_is_a_stop_not_a_failure(tmp_path):
             time.sleep(0.05)
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=300)
+        out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert "stopped by SIGTERM after step 0: no step had finished, so there is no checkpoint" in err
+    assert (
+        "bench pipeline stopped; nothing is reported. "
+        "stopped by SIGTERM after step 0: no step had finished, so there is no checkpoint"
+    ) in err, err[-3000:]
+    assert out.strip() == ""  # no JSON: nothing was measured to the end
     assert not (run_dir / "checkpoints").exists()
     assert tandem_debris() <= before

@@ -192,9 +192,15 @@ def bench_pipeline(
     cfg = build_config(preset if preset or config else "default", config, set_)
     check_model_path(cfg.model.path)
     from tandem.bench.pipeline import run
+    from tandem.core.stopping import StoppedError
+    from tandem.sandbox.cleanup import exit_on_signals
 
+    exit_on_signals()  # between the runs (engine choice, evaluations): SIGTERM cleans up and exits 143
     try:
         out = run(cfg, budget_s, run_root)
+    except StoppedError as e:  # during a run: that run's stop path saved and released it
+        typer.echo(f"bench pipeline stopped; nothing is reported. {e}", err=True)
+        raise typer.Exit(e.exit_code) from None
     except (TandemError, ValueError) as e:
         fail(str(e))
     typer.echo(json.dumps(out) if json_ else json.dumps(out, indent=2))
