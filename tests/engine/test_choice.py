@@ -5,10 +5,13 @@ up when it can be imported (tandem.engine.choice)."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -121,7 +124,11 @@ def test_bad_engine_settings_are_refused_naming_the_field():
     ],
 )
 def test_serve_runs_the_engine_it_names_and_answers(tmp_path, engine, small, says):
+    """...and SIGTERM ends it with exit 143 after closing the engine. uvicorn re-raises the SIGTERM it caught
+    after shutting down; with the default action that killed the process before the engine was closed,
+    leaving vLLM's rendezvous file (``vllm_dist_*``) in the temp dir for good."""
     model = write_model_dir(tmp_path, "smoke", tokenizer_dir=SHIPPED) if small else SHIPPED  # 336,320 params
+    rendezvous = set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_CACHE_DIR": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "tandem.cli.main", "serve", "--engine", engine, "--port", "0"]
     cmd += ["--model", str(model), "--max-seq-len", "256", "--max-batch", "4", "--threads", "1"]
@@ -147,7 +154,14 @@ def test_serve_runs_the_engine_it_names_and_answers(tmp_path, engine, small, say
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         r = httpx.post(url + "/chat/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        # vLLM's file exists while it serves
+        assert bool(set(Path(tempfile.gettempdir()).glob("vllm_dist_*")) - rendezvous) == (engine == "vllm")
+        proc.terminate()  # SIGTERM
+        rest = proc.communicate(timeout=120)[0]
     finally:
         killer.cancel()
-        proc.terminate()
-        proc.wait(timeout=60)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, rest[-3000:]
+    assert set(Path(tempfile.gettempdir()).glob("vllm_dist_*")) <= rendezvous
