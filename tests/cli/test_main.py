@@ -50,6 +50,8 @@ def test_eval_bad_inputs_are_clear_errors():
     assert r.returncode == 2 and "bogus" in r.stderr
     r = tandem("eval", "--model", "models/tandem-base", "--k", "4", "--samples", "2", "--n-tasks", "1")
     assert r.returncode == 2 and "pass@4 needs --samples >= 4, got --samples 2" in r.stderr  # before loading
+    r = tandem("eval", "--set", "engine.kind=builtin", "--set", "engine.max_batch=100000")  # a 586 GiB cache
+    assert r.returncode == 2 and "engine.max_batch (100000) + engine.max_parked (64)" in r.stderr, r.stderr
     for option, value in (("--samples", "0"), ("--n-tasks", "0"), ("--n-tasks", "-1")):  # ran a full eval
         r = tandem("eval", "--model", "models/tandem-base", option, value)
         assert r.returncode == 2 and f"{option} must be >= 1" in r.stderr, r.stderr[-500:]

@@ -127,3 +127,20 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
     r = tandem("train", "--preset", "smoke", "--run-dir", str(tmp_path), "--set", "model.path=/nonexistent/m")
     assert r.returncode == 2
     assert "/nonexistent/m" in r.stderr and "model.path" in r.stderr
+
+
+def test_engines_kv_caches_past_the_machines_memory_are_refused_before_ray(tmp_path):
+    """Before: the engine actor's allocator failed after Ray had started ("can't allocate memory: you tried
+    to allocate 39321600000 bytes" in an actor traceback, then "the run could not start")."""
+    run_dir = tmp_path / "run"
+    r = tandem("train", "--preset", "smoke", "--run-dir", str(run_dir), "--set", "engine.max_seq_len=100000")
+    assert r.returncode == 2
+    assert r.stderr.startswith("error: engine.max_batch (64) + engine.max_parked (64) sequences of ")
+    assert "engine.max_seq_len (100000) tokens need a KV cache of 73.2 GiB" in r.stderr
+    assert "Ray" not in r.stderr and not run_dir.exists()
+    # each engine has its own cache; one that fits (the machine's memory / 2) does not fit three times
+    half = (os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")) // 2
+    per_token = 2 * 6 * 128 * 2 * 64 * 4  # keys and values, 6 layers, 128 slots, 2 KV heads of 64, float32
+    sets = ["--set", f"engine.max_seq_len={half // per_token}", "--set", "engine.num_engines=3"]
+    r = tandem("train", "--preset", "smoke", "--run-dir", str(run_dir), *sets)
+    assert r.returncode == 2 and "need 3 KV caches (one per engine) of " in r.stderr, r.stderr[-2000:]

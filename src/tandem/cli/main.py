@@ -83,6 +83,25 @@ def check_model_path(path: str, fix: str = "pass --set model.path=DIR") -> None:
         )
 
 
+def check_engine_memory(cfg: RunConfig, model_path: str, engines: int) -> None:
+    """Fail unless ``engines`` KV caches of the configured sizes fit this machine's memory (a cache past it
+    failed inside the engine: for ``train``, an actor's allocator traceback after Ray had started). The
+    built-in engine keeps its cache in ``model.dtype``; vLLM (and ``auto``, which may pick it) in 16 bits."""
+    from tandem.cli.checks import kv_memory_problem
+
+    e = cfg.engine
+    problem = kv_memory_problem(
+        Path(model_path),
+        ("engine.max_batch", e.max_batch),
+        ("engine.max_parked", e.max_parked),
+        ("engine.max_seq_len", e.max_seq_len),
+        cfg.model.dtype if e.kind == "builtin" else "bfloat16",
+        engines,
+    )
+    if problem:
+        fail(problem)
+
+
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config field: key=value.")]
 PresetOpt = Annotated[str | None, typer.Option(help="Config preset: default | smoke.")]
 ConfigOpt = Annotated[Path | None, typer.Option(help="A run config TOML file.")]
@@ -116,6 +135,8 @@ def train(
         overrides.append(f'orchestrator.ray_address="{ray_address}"')
     cfg = build_config(preset, config, overrides)
     check_model_path(cfg.model.path)
+    if not cfg.orchestrator.ray_address:  # a local cluster: the engines run on this machine
+        check_engine_memory(cfg, cfg.model.path, cfg.engine.num_engines)
     from tandem.core.stopping import StoppedError
     from tandem.orchestrator import train as run_train
 
@@ -151,6 +172,7 @@ def eval_(
     cfg = build_config(preset if preset or config else "default", config, set_)
     model_path = resolve_model_path(model)
     check_model_path(model_path, MODEL_OPTION_FIX)
+    check_engine_memory(cfg, model_path, 1)
     ks = tuple(sorted(set(k or [1])))
     if any(x < 1 for x in ks):
         fail(f"--k must be >= 1, got {ks}")

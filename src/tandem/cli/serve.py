@@ -10,22 +10,19 @@ engine is closed when the server exits (Ctrl-C, or SIGTERM/SIGHUP: exit status 1
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from pydantic import ValidationError
 
-from tandem.cli.checks import threads_problem
+from tandem.cli.checks import kv_memory_problem, threads_problem
 from tandem.core.errors import TandemError
 from tandem.engine.gateway.config import GatewayConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 ENGINES = ("auto", "builtin", "vllm")
 DTYPES = ("float32", "bfloat16")
-GIB = 2**30
 _DEFAULTS = GatewayConfig()
 
 
@@ -50,35 +47,6 @@ def _gateway_config(**fields: object) -> GatewayConfig:
         where = ".".join(str(x) for x in err["loc"]) or "gateway"
         _fail(f"{where}: {err['msg'].removeprefix('Value error, ')}")
         raise  # unreachable: _fail exits
-
-
-def _kv_cache_bytes(path: Path, slots: int, seq_len: int, dtype: str) -> int | None:
-    """Bytes of the KV cache an engine preallocates for ``slots`` sequences of ``seq_len`` tokens of the model
-    in ``path`` (keys and values, every layer), from its config.json; None when config.json does not say
-    (the model loader then names what is wrong with it)."""
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-        heads = int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-        layers = int(cfg["num_hidden_layers"])
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError, AttributeError):
-        return None
-    return 2 * layers * slots * kv_heads * seq_len * head_dim * (4 if dtype == "float32" else 2)
-
-
-def _memory_problem(path: Path, max_batch: int, max_parked: int, max_seq_len: int, dtype: str) -> str | None:
-    """Why the KV cache of these sizes cannot fit this machine's physical memory, or None (a cache past a C
-    long crashed in torch.zeros; a smaller one past memory started and failed on use)."""
-    need = _kv_cache_bytes(path, max_batch + max_parked, max_seq_len, dtype)
-    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if need is None or need <= have:
-        return None
-    return (
-        f"--max-batch ({max_batch}) + --max-parked ({max_parked}) sequences of --max-seq-len ({max_seq_len}) "
-        f"tokens need a {need / GIB:.3g} GiB KV cache for this model in {dtype}, more than this machine's "
-        f"{have / GIB:.3g} GiB of memory; lower them"
-    )
 
 
 def _option_problem(engine: str, dtype: str, log_level: str, threads: int) -> str | None:
@@ -168,7 +136,9 @@ def serve(
         _fail(
             f"--model {str(model)!r} is not a model directory (needs config.json, weights and tokenizer.json)"
         )
-    problem = _memory_problem(path, max_batch, max_parked, max_seq_len, dtype)
+    problem = kv_memory_problem(
+        path, ("--max-batch", max_batch), ("--max-parked", max_parked), ("--max-seq-len", max_seq_len), dtype
+    )
     if problem:
         _fail(problem)
 
