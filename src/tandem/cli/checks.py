@@ -13,11 +13,9 @@ import os
 import tempfile
 from pathlib import Path
 
-GIB = 2**30
+from tandem.core.config import MAX_THREADS
 
-MAX_THREADS = 1024
-"""Most torch threads an option accepts: beyond a C int torch refuses the value with an unclear error, and
-at 100000 a process crashed (SIGSEGV); no machine this runs on has more cores than this."""
+GIB = 2**30
 
 
 def threads_problem(flag: str, value: int) -> str | None:

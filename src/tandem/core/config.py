@@ -24,6 +24,11 @@ from pydantic import (
 from tandem.core.errors import ConfigError
 from tandem.core.generation import MIN_TEMPERATURE
 
+MAX_THREADS = 1024
+"""Most torch threads a setting or option accepts: beyond a C int torch refuses the value with an unclear
+error, at 100000 a process crashed (SIGSEGV) and an engine actor failed with "can't start new thread"
+after Ray had started; no machine this runs on has more cores than this."""
+
 
 class Section(BaseModel):
     """Base class of config sections: strict keys, docstrings per field (via ``description``), finite numbers
@@ -609,6 +614,12 @@ class RunConfig(Section):
         for name, value in positive.items():
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        for name in ("engine.threads", "train.threads", "weights.codec_threads"):
+            if positive[name] > MAX_THREADS:
+                raise ValueError(
+                    f"{name} must be <= {MAX_THREADS} (more threads than any machine has cores), got "
+                    f"{positive[name]}"
+                )
         if not self.tasks.levels or any(lv not in (1, 2, 3) for lv in self.tasks.levels):
             raise ValueError(
                 f"tasks.levels must be a non-empty list drawn from 1, 2, 3; got {self.tasks.levels}"
