@@ -461,6 +461,49 @@ def test_the_dense_histogram_from_quads_equals_the_one_from_listing_every_change
     assert (from_quads[1] == listed[1]).all()
 
 
+@pytest.mark.parametrize("n", [4096, 4099, 50_001])
+def test_the_fused_quad_kernels_equal_the_step_by_step_path(n):
+    """``quad_scan_chunk`` and ``encode_quad_part`` (one compiled call each, what the encoder runs) give the
+    same quads, histograms, escapes and part bytes as ``quad_scan``, ``dense_hist_of_quads``,
+    ``encode_lanes`` and ``_chunk_part`` called one by one; many escapes carry raw bits."""
+    from tandem.weights import kernels as K
+    from tandem.weights.codec import _chunk_part, _table_bits
+    from tandem.weights.tables import Table
+
+    rng = np.random.default_rng(n)
+    prev = bf16(rng.standard_normal(n).astype(np.float32) * 0.02)
+    pick = rng.random(n)
+    step = np.where(pick < 0.3, 1, np.where(pick < 0.6, -1, 0))
+    step[pick >= 0.85] = rng.integers(-5000, 5000, int((pick >= 0.85).sum()))
+    cur = _key_step(prev, step, 16)
+    spec = key_spec(prev.dtype)
+
+    quads = np.empty((n + 3) // 4, np.uint8)
+    qhist, ehist = np.zeros(K.QUAD_ALPHABET, np.int64), np.zeros(ALPHABET, np.int64)
+    esyms, ebits, words, enbits = K.quad_scan(prev, cur, spec.sign, spec.mask, quads, qhist, ehist)
+    hist = K.new_hist()
+    changed = K.dense_hist_of_quads(qhist, ehist, n, hist)
+
+    fused_hist = K.new_hist()
+    fused = K.quad_scan_chunk(prev, cur, spec.sign, spec.mask, fused_hist)
+    fq, fqh, feh, fchanged, fesyms, febits, fenbits = fused
+    assert (fq == quads).all() and (fqh == qhist).all() and (feh == ehist).all()
+    assert fchanged == changed == int(np.count_nonzero(prev != cur))
+    assert (fused_hist == hist).all() and (fesyms == esyms).all()
+    assert fenbits == enbits > 0 and (febits == ebits[:words]).all()
+
+    qt = Table.encoding(_table_bits(qhist, False)[1], K.QUAD_ALPHABET)
+    et = Table.encoding(_table_bits(ehist)[1])
+    m, nq = esyms.shape[0], quads.shape[0]
+    qbuf, qstart = np.empty((K.LANES, nq // K.LANES + 4), np.uint16), np.zeros(K.LANES, np.int64)
+    ebuf, estart = np.empty((K.LANES, m // K.LANES + 4), np.uint16), np.zeros(K.LANES, np.int64)
+    K.encode_lanes(quads, qt.enc, qbuf, qstart)
+    K.encode_lanes(esyms, et.enc, ebuf, estart)
+    streams = [qbuf[j, qstart[j] :] for j in range(K.LANES)] + [ebuf[j, estart[j] :] for j in range(K.LANES)]
+    expected = bytes(_chunk_part([m], streams, ebits[:words], enbits))
+    assert K.encode_quad_part(quads, qt.enc, esyms, et.enc, febits, enbits).tobytes() == expected
+
+
 def test_run_tasks_keeps_one_pool_per_thread_and_priority_and_waits_for_every_task():
     """``run_tasks`` reuses the calling thread's pool (same worker threads across calls), a new one after the
     thread's nice value changes (workers inherit their creator's priority), and on a task's error returns

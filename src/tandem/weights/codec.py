@@ -204,7 +204,7 @@ class TensorEncoder:
         self.n = int(prev.size)
         self.chunks = chunk_ranges(self.n)
         self.scans: list[_Scan | None] = [None] * len(self.chunks)
-        self.parts: list[bytes | bytearray] = [b""] * len(self.chunks)
+        self.parts: list[bytes | bytearray | memoryview] = [b""] * len(self.chunks)
         self.mode = IDENT
         self.changed = 0
         self._fallback: bytes | None = None
@@ -238,16 +238,17 @@ class TensorEncoder:
                 return
         # Too dense to list, or dense enough that the sparse mode may lose: the quad mode is an option too
         # (it codes exactly the dense model with a quarter of the symbols, so it beats the dense mode).
-        quads = np.empty((n + 3) // 4, np.uint8)
-        qhist, ehist = np.zeros(K.QUAD_ALPHABET, np.int64), np.zeros(ALPHABET, np.int64)
-        esyms, ebits, words, enbits = K.quad_scan(p, c, spec.sign, spec.mask, quads, qhist, ehist)
-        if count < 0:
-            self.scans[k] = _Scan(K.dense_hist_of_quads(qhist, ehist, n, hist), None, None, hist)
+        listed = count >= 0  # then ``hist`` already holds the listed changes' histogram
+        quads, qhist, ehist, changed, esyms, ebits, enbits = K.quad_scan_chunk(
+            p, c, spec.sign, spec.mask, K.new_hist() if listed else hist
+        )
+        if not listed:
+            self.scans[k] = _Scan(changed, None, None, hist)
         scan = self.scans[k]
         scan.quads, scan.escapes, scan.qhist, scan.ehist = quads, esyms.shape[0], qhist, ehist
         m = esyms.shape[0]
-        if m <= n * KEEP_ESCAPES or self.budget.take(m + 8 * words):  # else scanned again when encoding
-            scan.esyms, scan.ebits, scan.enbits = esyms, ebits[:words].copy(), enbits
+        if m <= n * KEEP_ESCAPES or self.budget.take(m + ebits.nbytes):  # else scanned again when encoding
+            scan.esyms, scan.ebits, scan.enbits = esyms, ebits, enbits
 
     def _encode_fallback(self) -> None:
         pb = self.prev.reshape(-1).view(np.uint8)
@@ -361,14 +362,9 @@ class TensorEncoder:
                 self.p[a:b], self.c[a:b], self.spec.sign, self.spec.mask, s.quads, spare_q, spare_e
             )
             s.esyms, s.ebits = esyms, ebits[:words]
-        m, nq = s.escapes, s.quads.shape[0]
-        qbuf, qstart = np.empty((K.LANES, nq // K.LANES + 4), np.uint16), np.zeros(K.LANES, np.int64)
-        ebuf, estart = np.empty((K.LANES, m // K.LANES + 4), np.uint16), np.zeros(K.LANES, np.int64)
-        K.encode_lanes(s.quads, self._quad_t.enc, qbuf, qstart)
-        K.encode_lanes(s.esyms, self._esc_t.enc, ebuf, estart)
-        streams = [qbuf[j, qstart[j] :] for j in range(K.LANES)]
-        streams += [ebuf[j, estart[j] :] for j in range(K.LANES)]
-        self.parts[k] = _chunk_part([m], streams, s.ebits, s.enbits)
+        ebits = np.ascontiguousarray(s.ebits, "<u8")
+        part = K.encode_quad_part(s.quads, self._quad_t.enc, s.esyms, self._esc_t.enc, ebits, s.enbits)
+        self.parts[k] = memoryview(part)  # not the array: ``bytearray += ndarray`` would be numpy's add
         s.quads = s.esyms = s.ebits = None
 
     def blob(self) -> bytes:
