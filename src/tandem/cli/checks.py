@@ -92,8 +92,10 @@ def kv_memory_problem(
     have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if one is None or one * engines <= have:
         return None
-    caches = f"{engines} KV caches (one per engine) of {one / GIB:.3g} GiB each" if engines > 1 else (
-        f"a KV cache of {one / GIB:.3g} GiB"
+    caches = (
+        f"{engines} KV caches (one per engine) of {one / GIB:.3g} GiB each"
+        if engines > 1
+        else f"a KV cache of {one / GIB:.3g} GiB"
     )
     return (
         f"{max_batch[0]} ({max_batch[1]}) + {max_parked[0]} ({max_parked[1]}) sequences of "
