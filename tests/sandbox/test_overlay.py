@@ -273,3 +273,24 @@ def test_auto_scratch_leaves_the_tmpfs_reserve_to_other_programs() -> None:
     assert base.scratch_dir(big, "overlay", memory_capped=True) is None
     forced = big.model_copy(update={"scratch": "tmpfs"})
     assert base.scratch_dir(forced, "overlay", memory_capped=True) == base.TMPFS_SCRATCH
+
+
+def test_hidden_paths_inside_mounts_look_empty_and_must_be_inside_one(tmp_path: Path) -> None:
+    cfg = SandboxConfig(timeout_s=20.0)
+    lib = tmp_path / "lib"
+    (lib / "secret").mkdir(parents=True)
+    (lib / "secret" / "answers.txt").write_text("42\n")
+    (lib / "key.txt").write_text("k\n")
+    (lib / "ok.txt").write_text("fine\n")
+    hidden = [str(lib / "secret"), str(lib / "key.txt")]
+    with create_sandbox({}, cfg, ro_mounts=[str(lib)], hidden=hidden) as s:
+        secret, key = str(lib / "secret"), str(lib / "key.txt")
+        code = f"import os; print(os.listdir({secret!r}), repr(open({key!r}).read()))"
+        r = s.exec(["python3", "-c", code])
+        assert r.stdout == "[] ''\n", r.stderr
+        assert s.exec(["cat", str(lib / "ok.txt")]).stdout == "fine\n"
+        assert s.exec(["sh", "-c", f"echo x > {lib / 'secret' / 'new'}"]).exit_code != 0  # read-only
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    with pytest.raises(SandboxError, match="inside one of the read-only mounts"):
+        create_sandbox({}, cfg, ro_mounts=[str(lib)], hidden=[str(outside)])

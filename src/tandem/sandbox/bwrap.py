@@ -22,6 +22,8 @@ Invariants of the sandbox a command sees (``bwrap`` 0.8 flags, built once per sa
   pyenv under a private ``/root``) ``python3`` is the system's ``/usr/bin/python3``, and a machine without
   one gets a :class:`SandboxError` saying what to do.
   Nothing else of the host is visible: not ``/root``, ``/work``, ``/home``, the venv, or ``/sys``.
+- Read-only mounts (``ro_mounts``, e.g. an external harness's libraries) at their own paths; ``hidden`` paths
+  inside them show an empty read-only directory or file bound over them, after every mount.
 - The root (bwrap's tmpfs holding the mount points) is remounted read-only.
 - Writable: ``/workspace`` (the private copy, also the cwd and ``HOME``) and a fresh ``/tmp`` tmpfs of at most
   ``memory_mb`` (its pages also count against the memory cgroup);
@@ -259,6 +261,11 @@ def bwrap_available(config: SandboxConfig | None = None) -> bool:
     return _probe(agent_uid((config or SandboxConfig()).model_copy(update={"backend": "bwrap"}))) is None
 
 
+def _inside_any(path: str, roots: list[str]) -> bool:
+    p = os.path.normpath(path)
+    return any(p == os.path.normpath(r) or p.startswith(os.path.normpath(r).rstrip("/") + "/") for r in roots)
+
+
 class BwrapSandbox(Sandbox):
     """Commands run under bubblewrap with the workspace copy mounted read-write at ``/workspace``."""
 
@@ -270,11 +277,18 @@ class BwrapSandbox(Sandbox):
         config: SandboxConfig,
         gateway: str | None = None,
         ro_mounts: list[str] | None = None,
+        hidden: list[str] | None = None,
     ) -> None:
         reason = _probe(agent_uid(config))
         for m in ro_mounts or []:
             if not os.path.isabs(m) or not os.path.exists(m):
                 raise SandboxError(f"read-only mount {m!r} must be an existing absolute host path")
+        for h in hidden or []:
+            if not os.path.isabs(h) or not os.path.exists(h) or not _inside_any(h, ro_mounts or []):
+                raise SandboxError(
+                    f"hidden path {h!r} must be an existing absolute host path inside one of the read-only "
+                    f"mounts {ro_mounts or []}"
+                )
         if reason is not None:
             raise SandboxError(
                 f"the bwrap sandbox backend is not usable: {reason}. Install bubblewrap (and allow user "
@@ -303,9 +317,27 @@ class BwrapSandbox(Sandbox):
                     source = str(stage)
                 at = self._prefix.index("--remount-ro")
                 self._prefix[at:at] = ["--ro-bind", source, m]
+            for h in hidden or []:  # after every mount, so the empty binds cover what those show
+                at = self._prefix.index("--remount-ro")
+                self._prefix[at:at] = ["--ro-bind", self._empty(os.path.isdir(h)), h]
         except BaseException:
             self.close()
             raise
+
+    def _empty(self, directory: bool) -> str:
+        """An empty read-only directory (or file) in the sandbox's own directory, reachable by its uid: what
+        a hidden path shows."""
+        path = self._root / "mounts" / ("empty-dir" if directory else "empty-file")
+        if not path.exists():
+            path.parent.mkdir(exist_ok=True)
+            if directory:
+                path.mkdir()
+            else:
+                path.touch()
+            path.chmod(0o555 if directory else 0o444)
+            if self.owner is not None:
+                os.chown(path.parent, self.owner, self.owner)
+        return str(path)
 
     reports_leftovers = True
 

@@ -23,16 +23,19 @@ def create_sandbox(
     config: SandboxConfig,
     gateway: str | None = None,
     ro_mounts: list[str] | None = None,
+    hidden: list[str] | None = None,
 ) -> Sandbox:
     """A new sandbox with a private view of ``workspace`` (files, a directory, or a template of either).
 
     With ``gateway`` (``http://HOST:PORT/v1``), commands wrapped by :meth:`Sandbox.with_gateway` reach that
     address, and only that one, at :meth:`Sandbox.gateway_url`. ``ro_mounts`` are host paths made visible
-    read-only at their own paths (bwrap; the plain backend sees the whole host anyway)."""
+    read-only at their own paths (bwrap; the plain backend sees the whole host anyway); ``hidden`` are host
+    paths inside those mounts that the sandbox sees empty (an empty read-only directory or file bound over
+    each; with bwrap only: the plain backend hides nothing, as it isolates nothing)."""
     try:
         cls = BACKENDS[config.backend]
     except KeyError:
         raise SandboxError(
             f"unknown sandbox backend {config.backend!r}; choose one of {sorted(BACKENDS)}"
         ) from None
-    return cls(workspace, config, gateway, ro_mounts)
+    return cls(workspace, config, gateway, ro_mounts, hidden)

@@ -47,6 +47,7 @@ class PlainSandbox(Sandbox):
         config: SandboxConfig,
         gateway: str | None = None,
         ro_mounts: list[str] | None = None,
+        hidden: list[str] | None = None,
     ) -> None:
         warn_plain()
         super().__init__(workspace, config, gateway)
