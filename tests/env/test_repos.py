@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import re
@@ -71,6 +72,35 @@ def test_every_task_generates_with_verified_fail_to_pass_and_pass_to_pass() -> N
 
 def _digest(task: Task) -> str:
     return hashlib.sha256(json.dumps(task.to_dict(), sort_keys=True).encode()).hexdigest()
+
+
+def _quoted(value: object, issue: str) -> bool:
+    """Whether a case's literal appears in the issue text (as written in code, or a string's own text)."""
+    if isinstance(value, str):
+        return repr(value) in issue or f'"{value}"' in issue or (value != "" and value in issue)
+    return re.search(r"(?<![\w.])" + re.escape(repr(value)) + r"(?![\w.])", issue) is not None
+
+
+def _literals(code: str) -> list[object]:
+    """The constants of a case's code (``None`` and booleans aside)."""
+    nodes = ast.walk(ast.parse(code.strip("\n")))
+    return [
+        n.value for n in nodes if isinstance(n, ast.Constant) and type(n.value) in (int, float, str, bytes)
+    ]
+
+
+def test_every_bug_has_a_hidden_case_the_issue_does_not_quote() -> None:
+    """A fix that special-cases the issue's own examples must not pass: each bug has a hidden case with at
+    least one literal (argument, setup value) that its issue text does not contain. A red-team found ten
+    bugs whose hidden cases were exactly the issue's examples, and five such special-cased 'fixes' scored
+    1.0."""
+    weak = [
+        f"{package}-{bug.name}"
+        for package in repos.PACKAGES
+        for bug in repos.template(package).bugs
+        if all(all(_quoted(v, bug.issue) for v in _literals(code)) for code in bug.cases.values())
+    ]
+    assert weak == []
 
 
 def test_same_id_same_task_and_sha_in_another_process() -> None:
