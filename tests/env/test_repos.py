@@ -171,6 +171,24 @@ def test_score_reports_fail_to_pass_and_pass_to_pass(sbx: SandboxConfig) -> None
     assert r.components["p2p_passed"] == r.components["p2p_total"] == n_p2p
 
 
+def test_partial_credit_for_the_issue_counts_fail_to_pass_only(sbx: SandboxConfig) -> None:
+    """Under ``kind = "fraction"`` an untouched repository earns its PASS_TO_PASS share (a red-team's empty
+    solution scored 0.913); the term over ``f2p_fraction`` gated on ``p2p_fraction`` gives it nothing and
+    the reference fix full marks."""
+    task = get_task("repo:train:ledger-remove-all")
+    n_f2p, n_p2p = len(task.meta["fail_to_pass"]), len(task.meta["pass_to_pass"])
+    untouched = score(task, dict(task.workspace), RewardConfig(kind="fraction"), sbx)
+    assert untouched.value == n_p2p / (n_f2p + n_p2p) > 0.5
+    assert untouched.components["f2p_fraction"] == 0.0 and untouched.components["p2p_fraction"] == 1.0
+    issue_only = RewardConfig(terms=["1 * f2p_fraction if p2p_fraction >= 1"])
+    assert score(task, dict(task.workspace), issue_only, sbx).value == 0.0
+    fixed = score(task, _fixed(task), issue_only, sbx)
+    assert fixed.value == 1.0 and fixed.components["p2p_fraction"] == 1.0
+    broken = {**_fixed(task), "ledger/__init__.py": "raise ImportError('broken')\n"}
+    r = score(task, broken, issue_only, sbx)
+    assert r.value == 0.0 and r.components["p2p_fraction"] == 0.0
+
+
 def test_editing_tests_earns_nothing_and_is_flagged(sbx: SandboxConfig) -> None:
     task = get_task("repo:train:ledger-remove-all")
     n = task.meta["hidden_total"]

@@ -44,6 +44,8 @@ def test_bug_scores_zero_or_a_fraction(task, sbx) -> None:
     f = score(task, _files(task, bug), FRAC, sbx)
     assert f.value == pytest.approx(f.components["tests_passed"] / f.components["tests_total"])
     assert 0.0 <= f.value < 1.0
+    # a built-in task's hidden tests are all fail-to-pass; none must keep passing
+    assert f.components["f2p_fraction"] == f.components["pass_fraction"] and f.components["p2p_fraction"] == 1
 
 
 @pytest.mark.parametrize(
@@ -64,6 +66,7 @@ def test_timeout_scores_zero(task) -> None:
     cfg = SandboxConfig(backend="bwrap" if bwrap_available() else "plain", timeout_s=1.0)
     r = score(task, _files(task, "while True:\n    pass\n"), FRAC, cfg)
     assert r.value == 0.0 and r.components["timed_out"] == 1.0
+    assert r.components["f2p_fraction"] == r.components["p2p_fraction"] == 0.0  # not graded
 
 
 def test_protected_and_hidden_files_are_restored(task, sbx) -> None:

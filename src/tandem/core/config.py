@@ -122,8 +122,11 @@ class SandboxConfig(Section):
     `memory_mb` instead."""
 
 
-REWARD_TEST_COMPONENTS = ("pass_fraction", "all_passed")
-"""Reward components from the hidden tests that a composite term or gate may name."""
+REWARD_TEST_COMPONENTS = ("pass_fraction", "all_passed", "f2p_fraction", "p2p_fraction")
+"""Reward components from the hidden tests that a composite term or gate may name. ``f2p_fraction``: the
+fraction of the tests the task exists to make pass (a repository task's FAIL_TO_PASS; every hidden test of
+the other sources); ``p2p_fraction``: the fraction of the tests that must keep passing (its PASS_TO_PASS;
+1 for the other sources); both 0 when grading failed or broke a limit."""
 _NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]*")
 _CRITERION_RE = re.compile(rf"\s*(?:({_NUM})\s*\*\s*)?([a-z][a-z0-9_]*)\s*:\s*(.*\S)\s*", re.DOTALL)
@@ -206,8 +209,8 @@ class RewardTerm(Section):
     """
 
     component: str
-    """The component weighted: `pass_fraction`, `all_passed`, `judge` (the rubric's weighted mean) or
-    `judge.<criterion>`."""
+    """The component weighted: `pass_fraction`, `all_passed`, `f2p_fraction`, `p2p_fraction` (see
+    `REWARD_TEST_COMPONENTS`), `judge` (the rubric's weighted mean) or `judge.<criterion>`."""
     weight: float = Field(default=1.0, ge=0.0)
     """Non-negative weight of the component in the reward."""
     gates: list[RewardGate] = []
@@ -239,7 +242,10 @@ class RewardTerm(Section):
 
 class RewardConfig(Section):
     kind: Literal["fraction", "all_or_nothing"] = "all_or_nothing"
-    """Reward = fraction of hidden tests passed, or 1 only when all pass (when `terms` is empty)."""
+    """Reward = fraction of hidden tests passed, or 1 only when all pass (when `terms` is empty). On
+    repository tasks the hidden tests include the PASS_TO_PASS suite, so "fraction" gives an untouched
+    repository about 0.9; partial credit for the issue itself is the term `"1 * f2p_fraction if
+    p2p_fraction >= 1"`."""
     tool_error_penalty: float = 0.0
     """Subtracted per malformed tool call (logged as a component either way)."""
     test_edit_penalty: float = Field(default=0.0, ge=0.0)

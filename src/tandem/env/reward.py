@@ -9,8 +9,9 @@ Invariants:
   an exit status of 0 with fewer passes, or a non-zero status with "all passed", is capped below full marks.
   Unparseable output, a timeout or a sandbox failure scores 0.
 - ``score`` never raises because of what the agent wrote; every outcome is a ``Reward`` whose components
-  say what happened (tests_passed, tests_total, pass_fraction, exit_code, timed_out, parse_error,
-  sandbox_error, tool_errors, truncated, tool_error_penalty, tests_edited, test_edit_penalty).
+  say what happened (tests_passed, tests_total, pass_fraction, f2p_fraction, p2p_fraction, exit_code,
+  timed_out, parse_error, sandbox_error, tool_errors, truncated, tool_error_penalty, tests_edited,
+  test_edit_penalty).
 - Test edits: ``tests_edited`` is 1.0 when the agent's final files change, add or delete a protected file
   (the visible tests) or hold a file whose name is a hidden test's (in any directory). Grading ignores such
   edits either way (protected files are restored, hidden tests written last); then
@@ -178,6 +179,7 @@ def score(
             comps["limit_violation"] = 1.0
             comps["pass_fraction"] = comps["all_passed"] = 0.0
     comps.setdefault("all_passed", 0.0)
+    comps["f2p_fraction"], comps["p2p_fraction"] = _issue_fractions(comps)
     if config.terms:
         base = composite(config, comps, lambda names: _judge(task, files, names, config))
     else:
@@ -187,6 +189,26 @@ def score(
         comps["test_edit_penalty"] = min(config.test_edit_penalty, max(value, 0.0))
         value -= comps["test_edit_penalty"]
     return Reward(value, comps)
+
+
+def _issue_fractions(comps: dict[str, float]) -> tuple[float, float]:
+    """(f2p_fraction, p2p_fraction): a repository task's FAIL_TO_PASS and PASS_TO_PASS pass fractions from
+    its grader's components; for a task without them, all hidden tests are fail-to-pass (``pass_fraction``)
+    and none must keep passing (1). Both 0 when grading failed (no result, forged output, a limit broken)."""
+    graded = comps["tests_total"] > 0 and not (
+        comps["parse_error"] or comps["sandbox_error"] or comps["timed_out"] or comps.get("limit_violation")
+    )
+    if not graded or comps["exit_code"] < 0:
+        return 0.0, 0.0
+    if "f2p_total" not in comps or "p2p_total" not in comps:
+        return comps["pass_fraction"], 1.0
+    f2p_passed = comps["f2p_passed"]
+    every = f2p_passed == comps["f2p_total"] and comps["p2p_passed"] == comps["p2p_total"]
+    if every and not comps["all_passed"]:
+        f2p_passed -= 1  # "all passed" without exit status 0 is not all passed (as for pass_fraction)
+    f2p = max(f2p_passed, 0.0) / comps["f2p_total"] if comps["f2p_total"] else 1.0
+    p2p = comps["p2p_passed"] / comps["p2p_total"] if comps["p2p_total"] else 1.0
+    return f2p, p2p
 
 
 def _parts_add_up(parts: dict[str, float], passed: int, total: int) -> bool:
