@@ -13,7 +13,7 @@ import pytest
 
 from tandem.core.config import SandboxConfig
 from tandem.core.errors import SandboxError
-from tandem.sandbox import Sandbox, bwrap_available, create_sandbox
+from tandem.sandbox import Sandbox, bwrap_available, create_sandbox, drain_reaper
 from tandem.sandbox.bwrap import sandbox_python
 
 from .conftest import procs_with, wait_no_procs
@@ -265,6 +265,37 @@ def test_snapshot(sb: Sandbox) -> None:
     assert sb.exec(["python3", "-c", code]).exit_code == 0
     assert sb.exec(["ln", "-s", "/etc/hostname", "link"]).exit_code == 0
     assert sb.snapshot() == {"pkg/mod.py": "y = 2\n", "solution.py": "def f():\n    return 1\n"}
+
+
+def test_snapshot_is_bounded_and_a_deep_tree_is_deleted_at_close(cfg: SandboxConfig) -> None:
+    """A probe nested 1100 directories (``os.walk`` and ``shutil.rmtree`` recursed past Python's limit: the
+    group failed, or the sandbox's files stayed in ``/dev/shm``), wrote a million hard links (a 22.6 s
+    snapshot, a 176 s grading) and a name that is not UTF-8."""
+    from tandem.sandbox import base
+
+    s = create_sandbox({"solution.py": "x = 1\n"}, cfg)
+    root = s.workdir.parent
+    deep = (
+        "import os\nos.makedirs('__pycache__/d'); os.chdir('__pycache__/d')\n"
+        "open('ballast', 'wb').write(b'b' * 4096)\n"
+        "for _ in range(1500):\n    os.mkdir('a'); os.chdir('a')\n"
+        "open('leaf.py', 'w').write('deep')\nos.chmod('.', 0o500)\n"  # and one it cannot write into
+    )
+    assert s.exec(["python3", "-c", deep]).exit_code == 0
+    code = "import os\nos.mkdir('x'); os.chdir('x')\nfor _ in range(80):\n    os.mkdir('a'); os.chdir('a')\n"
+    code += "open('leaf.py', 'w').write('y')\nopen(b'/workspace/bad\\xff.py', 'w').write('z')\n"
+    assert s.exec(["python3", "-c", code]).exit_code == 0
+    files = s.snapshot()
+    assert sorted(files) == ["solution.py"] and s.snapshot_limits == ["depth", "names"]
+    many = f"import os\nos.mkdir('many')\nfor i in range({base.SNAPSHOT_MAX_ENTRIES}):\n"
+    many += "    os.link('solution.py', f'many/{i}.py')\n"
+    assert s.exec(["python3", "-c", many]).exit_code == 0
+    files = s.snapshot()
+    cap = base.SNAPSHOT_MAX_ENTRIES
+    assert "entries" in s.snapshot_limits and cap // 2 < len(files) < cap
+    s.close()
+    drain_reaper()
+    assert not root.exists()
 
 
 def test_close_cleans_up_and_is_idempotent(cfg: SandboxConfig) -> None:

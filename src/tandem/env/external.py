@@ -78,7 +78,14 @@ def run_external_session(
     from tandem.sandbox import create_sandbox
 
     started = time.monotonic()
-    flags = {"harness_failed": False, "sandbox_error": False, "no_requests": False, "tests_edited": False}
+    flags = {
+        "harness_failed": False,
+        "sandbox_error": False,
+        "no_requests": False,
+        "tests_edited": False,
+        "symlinks_ignored": False,
+        "snapshot_limited": False,
+    }
     files = dict(task.workspace)
     output = ""
     exit_code = -1
@@ -111,6 +118,12 @@ def run_external_session(
             flags["harness_failed"] = result.exit_code != 0
             output = (result.stdout + result.stderr)[-OUTPUT_TAIL_CHARS:]
             files = sandbox.snapshot()
+            flags["symlinks_ignored"] = bool(sandbox.snapshot_skipped_symlinks)
+            flags["snapshot_limited"] = bool(sandbox.snapshot_limits)
+        except Exception as e:  # noqa: BLE001 - what the harness left fails its rollout, not its group
+            flags["sandbox_error"] = True
+            output = f"sandbox error: {type(e).__name__}: {e}"
+            files = dict(task.workspace)
         finally:
             sandbox.close(wait=False)
     traj = record(session_id)

@@ -106,6 +106,7 @@ async def run_session(
         "tests_edited": False,
         "limit_violation": False,
         "symlinks_ignored": False,
+        "snapshot_limited": False,
     }
     timings = {"generate_s": 0.0, "tools_s": 0.0, "score_s": 0.0}
     messages: list[Message] = list(task.prompt)
@@ -198,8 +199,15 @@ async def run_session(
                 break
             builder.add_context(continuation)
         if await ready():
-            files = await asyncio.to_thread(sandbox.snapshot)
-            flags["symlinks_ignored"] = bool(sandbox.snapshot_skipped_symlinks)
+            try:
+                files = await asyncio.to_thread(sandbox.snapshot)
+            except Exception as e:  # noqa: BLE001 - what the policy left fails this session, not its group
+                flags["sandbox_error"] = True
+                reason = f"reading the workspace: {type(e).__name__}: {e}"
+                messages.append(Message("tool", f"{SANDBOX_ERROR}{reason}"))
+            else:
+                flags["symlinks_ignored"] = bool(sandbox.snapshot_skipped_symlinks)
+                flags["snapshot_limited"] = bool(sandbox.snapshot_limits)
     finally:
         if starting is not None:  # cancelled or failed before the sandbox was needed: still close it
             try:

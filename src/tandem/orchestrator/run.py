@@ -456,6 +456,7 @@ def _step_row(step, version, groups, metrics, info, samples, samples_total, elap
         "tests_edited_frac": float(np.mean([t.flags.get("tests_edited", False) for t in trajs])),
         "limit_violation_frac": float(np.mean([t.flags.get("limit_violation", False) for t in trajs])),
         "symlinks_ignored_frac": float(np.mean([t.flags.get("symlinks_ignored", False) for t in trajs])),
+        "snapshot_limited_frac": float(np.mean([t.flags.get("snapshot_limited", False) for t in trajs])),
         "harness_failed_frac": float(np.mean([t.flags.get("harness_failed", False) for t in trajs])),
         "no_requests_frac": float(np.mean([t.flags.get("no_requests", False) for t in trajs])),
         "sampled_tokens": int(sum(t.num_sampled for t in trajs)),

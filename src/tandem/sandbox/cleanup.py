@@ -27,8 +27,8 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
-import shutil
 import signal
+import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,25 +50,110 @@ _keys = itertools.count()
 _exiting = threading.Event()
 
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
 def rmtree(path: Path) -> None:
     """Delete ``path`` recursively, also where a command removed write permission from its own directories.
     Never changes anything outside ``path``: a path already gone (another process's sweep, a resumed release)
-    is left alone, and only directories inside the tree get their permissions mended."""
+    is left alone, and only directories inside the tree get their permissions mended.
+
+    Iterative and relative to directory descriptors (``_rmtree_at``), so any depth goes: ``shutil.rmtree``
+    recursed past Python's limit on a probe's 1100 nested directories and left the sandbox's 300 MB in
+    ``/dev/shm``, and paths that deep exceed ``PATH_MAX``. Symlinks are removed, never followed."""
     top = os.path.abspath(path)
-
-    def fix(func, p, exc):
-        if isinstance(exc[1], FileNotFoundError):
-            return
+    try:
+        st = os.lstat(top)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        _quietly(os.unlink, top)
+        return
+    try:
+        fd = os.open(top, _DIR_FLAGS)
+    except PermissionError:
+        _quietly(os.chmod, top, 0o700)
         try:
-            if os.path.abspath(p) != top:
-                os.chmod(os.path.dirname(p), 0o700)
-            if os.path.isdir(p) and not os.path.islink(p):
-                os.chmod(p, 0o700)
-            func(p)
+            fd = os.open(top, _DIR_FLAGS)
         except OSError:
-            pass
+            return
+    except OSError:
+        return
+    try:
+        _rmtree_at(fd, st.st_dev)
+    finally:
+        os.close(fd)
+    _quietly(os.rmdir, top)
 
-    shutil.rmtree(path, onerror=fix)
+
+def _quietly(func, *args, **kwargs) -> None:  # noqa: ANN001 - a deletion step; a failure leaves the entry
+    try:
+        func(*args, **kwargs)
+    except OSError:
+        pass
+
+
+def _rmtree_at(top_fd: int, dev: int) -> None:
+    """Empty the directory open at ``top_fd`` (on device ``dev``): go down with ``openat`` into the first
+    subdirectory left, delete the files of each directory, come back up through ``..`` and remove the
+    emptied directory by name. Holds one descriptor besides ``top_fd`` whatever the depth (every process of
+    the sandbox is dead, so nothing moves directories meanwhile). A directory it cannot empty, or on another
+    filesystem (a mount left behind), is left, and the walk goes on beside it."""
+    names: list[str] = []  # the path from top_fd down to the current directory
+    skipped: list[set[str]] = [set()]  # per level: subdirectories that could not be removed
+    fd = os.dup(top_fd)
+    try:
+        while True:
+            child = None
+            try:
+                os.fchmod(fd, 0o700)  # a command may have removed write or search permission from it
+            except OSError:
+                pass
+            with os.scandir(fd) as it:
+                entries = list(it)
+            for entry in entries:
+                try:
+                    is_dir = entry.is_dir(follow_symlinks=False)
+                except OSError:
+                    is_dir = False
+                if not is_dir:
+                    _quietly(os.unlink, entry.name, dir_fd=fd)
+                elif child is None and entry.name not in skipped[-1]:
+                    child = entry.name
+            if child is not None:
+                try:
+                    down = os.open(child, _DIR_FLAGS, dir_fd=fd)
+                except OSError:
+                    _quietly(os.chmod, child, 0o700, dir_fd=fd)
+                    try:
+                        down = os.open(child, _DIR_FLAGS, dir_fd=fd)
+                    except OSError:
+                        skipped[-1].add(child)
+                        continue
+                if os.fstat(down).st_dev != dev:  # a mount point: never delete into another filesystem
+                    os.close(down)
+                    skipped[-1].add(child)
+                    continue
+                os.close(fd)
+                fd = down
+                names.append(child)
+                skipped.append(set())
+                continue
+            if not names:  # back at the top, nothing left to enter
+                return
+            up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = up
+            name = names.pop()
+            skipped.pop()
+            try:
+                os.rmdir(name, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                skipped[-1].add(name)
+    finally:
+        os.close(fd)
 
 
 @dataclass(eq=False)
