@@ -301,6 +301,7 @@ def test_stop_fails_pending_and_from_path(tmp_path):
         "prefix_hit_tokens",
         "parked",
         "steps",
+        "cancelled",
     }
 
     with pytest.raises(ModelLoadError, match="nope"):

@@ -1009,3 +1009,64 @@ def test_a_chunked_body_over_the_limit_is_refused_before_it_ends(stack):
         assert answer.startswith(b"HTTP/1.1 413"), answer
     finally:
         srv.stop()
+
+
+def test_tenant_keys_are_bounded_isolated_and_revoked(stack):
+    """Each external-harness rollout gets a tenant key: its own in-flight and session limits, no access to
+    another tenant's sessions, and revoking it cancels what it has in flight. A probe's harness had left 200
+    requests behind it (the next rollouts got 429, the engine had 1592 sequences queued) and evicted other
+    rollouts' sessions by naming 4200 of its own."""
+    engine, chat = stack
+    config = GatewayConfig(model_name="m", api_key="admin-key-0123456789")
+    app = create_app(engine, chat, chat.tokenizer, config)
+    tenants = app.state.gateway.tenants
+    ka, kb = "tenant-a-0123456789abcdef", "tenant-b-0123456789abcdef"
+    tenants.add(ka, "a", max_in_flight=4, max_sessions=2)
+    tenants.add(kb, "b", max_in_flight=4, max_sessions=2)
+
+    def post(key, sid=None, **body):
+        headers = {"Authorization": f"Bearer {key}", **({"X-Tandem-Session": sid} if sid else {})}
+        body = {"messages": USER, "max_tokens": 2, **body}
+        return httpx.post(srv.url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
+
+    def get(key, sid):
+        return httpx.get(f"{srv.url}/v1/tandem/sessions/{sid}", headers={"Authorization": f"Bearer {key}"})
+
+    with GatewayServer(app).start() as srv:
+        assert post(ka, "s1").status_code == 200
+        assert post(kb, "s1").status_code == 404  # a's session: b cannot extend, read or reward it
+        assert get(kb, "s1").status_code == 404 and get(ka, "s1").status_code == 200
+        assert get("admin-key-0123456789", "s1").status_code == 200
+        assert post(ka, "s2").status_code == 200
+        over = post(ka, "s3")
+        assert over.status_code == 429 and "at most 2 sessions" in over.json()["error"]["message"]
+        assert post("not-a-key", "s9").status_code == 401
+
+        async def flood(key: str, k: int) -> list[httpx.Response]:
+            headers = {"Authorization": f"Bearer {key}"}
+            body = {"messages": USER, "max_tokens": 400, "ignore_eos": True, "n": 8}
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                return await asyncio.gather(
+                    *(c.post("/v1/chat/completions", json=body, headers=headers) for _ in range(k))
+                )
+
+        cancelled_before = engine.stats()["cancelled"]
+        results: list[httpx.Response] = []
+        runner = threading.Thread(target=lambda: results.extend(asyncio.run(flood(ka, 5))))
+        t0 = time.monotonic()
+        runner.start()
+        deadline = time.monotonic() + 30
+        while engine.health()["queued"] < 8 and time.monotonic() < deadline:  # 16 running, the rest queued
+            time.sleep(0.02)
+        tenants.revoke(ka)
+        runner.join(60)
+        codes = sorted(r.status_code for r in results)
+        assert codes == [401, 401, 401, 401, 429], codes  # four in flight (the fifth over a's limit)
+        assert time.monotonic() - t0 < 20  # 32 sequences of 400 tokens were not waited for
+        assert "revoked" in next(r for r in results if r.status_code == 401).json()["error"]["message"]
+        while engine.health()["active"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert engine.stats()["cancelled"] == cancelled_before + 32  # running ones stopped, queued never ran
+        assert time.monotonic() - t0 < 20  # 32 sequences of 400 tokens were not generated in full
+        assert post(ka, "s1").status_code == 401 and post(kb, "t1").status_code == 200
+        assert app.state.gateway.in_flight == 0

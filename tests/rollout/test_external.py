@@ -7,6 +7,7 @@ import asyncio
 import json
 import socket
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,7 @@ def engine():
     eng.stop()
 
 
-def run_group(engine, command: list[str], wall_time_s: float = 60.0, n: int = 2, **extra):
+def run_group(engine, command: list[str], wall_time_s: float = 60.0, n: int = 2, after=None, **extra):
     cfg = RunConfig.model_validate(
         {
             "model": {"path": str(MODEL)},
@@ -52,7 +53,10 @@ def run_group(engine, command: list[str], wall_time_s: float = 60.0, n: int = 2,
         worker = RolloutWorker(generate, load_chat_format(MODEL), cfg)
         try:
             task = apply_limits(generate_task("train", 3, 0, 1), cfg)
-            return task, await worker.run_group(task, group_size=n)
+            group = await worker.run_group(task, group_size=n)
+            if after is not None:
+                await asyncio.to_thread(after, worker)
+            return task, group
         finally:
             worker.close()
 
@@ -176,3 +180,40 @@ def test_task_data_paths_finds_the_task_packages_inside_mounts(tmp_path: Path) -
     assert task_data_paths([str(other)]) == []
     src = Path(__file__).resolve().parents[2] / "src"  # this checkout's tandem, mounted whole
     assert str(src / "tandem") in task_data_paths([str(src)])
+
+
+def test_a_harness_cannot_leave_work_behind_or_flood_the_gateway(engine) -> None:
+    """A probe's harness connected straight to the forwarder's socket, sent 200 requests of n=8 x 1000
+    tokens and exited: the gateway answered 429 to the next rollouts and the engine had 1592 sequences
+    queued. Now its key allows 8 requests in flight and is revoked when it exits, which stops them all."""
+    flood = (
+        "import json, os, socket, time\n"
+        "body = json.dumps({'messages': [{'role': 'user', 'content': 'x'}], 'max_tokens': 900, 'n': 8,"
+        " 'ignore_eos': True}).encode()\n"
+        "head = ('POST /v1/chat/completions HTTP/1.1\\r\\nHost: x\\r\\nAuthorization: Bearer '"
+        " + os.environ['OPENAI_API_KEY'] + '\\r\\nContent-Type: application/json\\r\\nContent-Length: '"
+        " + str(len(body)) + '\\r\\n\\r\\n').encode()\n"
+        "conns = []\n"
+        "for _ in range(40):\n"
+        "    c = socket.socket(socket.AF_UNIX)\n"
+        "    c.connect('/run/tandem/gateway.sock')\n"
+        "    c.sendall(head + body)\n"
+        "    conns.append(c)\n"
+        "time.sleep(3)\n"
+        "os._exit(0)\n"
+    )
+    before = engine.stats()["cancelled"]
+    seen: dict[str, object] = {}
+
+    def after_group(worker) -> None:  # the group is graded, the worker (and its gateway) still up
+        seen["in_flight"] = worker._external.app.state.gateway.in_flight
+        deadline = time.monotonic() + 5
+        while (engine.health()["active"] or engine.health()["queued"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen["engine"] = engine.health()
+
+    _, group = run_group(engine, ["python3", "-c", flood], n=1, after=after_group)
+    assert not group.trajectories[0].flags["sandbox_error"]
+    assert seen["in_flight"] == 0  # nothing of the harness's left in flight at the gateway
+    assert seen["engine"]["active"] == seen["engine"]["queued"] == 0, seen  # nor running in the engine
+    assert 0 < engine.stats()["cancelled"] - before <= 8 * 8  # at most 8 requests of 8 were let in

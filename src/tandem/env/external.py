@@ -72,8 +72,10 @@ def run_external_session(
     sandbox_config: SandboxConfig,
     reward_config: RewardConfig,
     record: Callable[[str], Trajectory | None],
+    harness_done: Callable[[], None] | None = None,
 ) -> Trajectory:
-    """Blocking: sandbox, harness, grading (see module invariants)."""
+    """Blocking: sandbox, harness, grading (see module invariants). ``harness_done`` is called as soon as the
+    harness command has ended (or could not run), before grading: the caller revokes its gateway key there."""
     from tandem.env.reward import score, tests_edited, workspace_diff
     from tandem.sandbox import create_sandbox
 
@@ -105,15 +107,21 @@ def run_external_session(
         flags["sandbox_error"] = True
         output = f"sandbox error: {e}"
         sandbox = None
+    if sandbox is None and harness_done is not None:
+        harness_done()
     if sandbox is not None:
         try:
             env["OPENAI_BASE_URL"] = sandbox.gateway_url()
-            result = sandbox.exec(
-                sandbox.with_gateway(list(command)),
-                timeout_s=task.limits.wall_time_s,
-                env=env,
-                last=True,
-            )
+            try:
+                result = sandbox.exec(
+                    sandbox.with_gateway(list(command)),
+                    timeout_s=task.limits.wall_time_s,
+                    env=env,
+                    last=True,
+                )
+            finally:
+                if harness_done is not None:
+                    harness_done()
             exit_code = result.exit_code
             flags["harness_failed"] = result.exit_code != 0
             output = (result.stdout + result.stderr)[-OUTPUT_TAIL_CHARS:]

@@ -251,8 +251,12 @@ class RolloutActor:
             return Completion([], [], [], "error", "no live engine")
         i = min(alive, key=lambda j: self.outstanding[j])
         self.outstanding[i] += 1
+        ref = self.engines[i].generate.remote(request)
         try:
-            return await self.engines[i].generate.remote(request)
+            return await ref
+        except asyncio.CancelledError:  # e.g. the rollout of an external harness ended (gateway revoke)
+            ray.cancel(ref)  # the engine actor's task ends and the engine drops the request if not started
+            raise
         except RayActorError as e:
             self.dead[i] = True
             self.errors.append(f"engine {i} died: {e}")

@@ -4,12 +4,15 @@ This module is the gateway half (the worker's gateway over its generate function
 the command and the grading are ``tandem.env.external.run_external_session``.
 
 ``rollout.harness_command`` names the program. For each rollout tandem creates the task's sandbox with one
-door out, to a gateway (``tandem.engine.gateway``) that this worker serves on 127.0.0.1 over its own
-generate function, and runs the command in it with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` (a random key the
-gateway requires), ``TANDEM_SESSION`` (the session id the harness sends as ``X-Tandem-Session``) and
-``TANDEM_TASK`` (the task's user prompt) in its environment and the workspace as its working directory.
-When the command ends, the workspace is graded exactly like a built-in session's (fresh sandbox, hidden
-tests) and the gateway's token-exact record of the session becomes the trajectory.
+door out, to a gateway (``tandem.engine.gateway``) that this worker serves on 127.0.0.1 over its own generate
+function, and runs the command in it with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` (a random key of this
+rollout's own: a gateway tenant key, see ``tandem.engine.gateway.tenants``, allowed
+``rollout.harness_max_concurrent`` requests in flight and ``rollout.harness_max_sessions`` sessions, and
+revoked as soon as the harness exits, which cancels what it still has in flight), ``TANDEM_SESSION`` (the
+session id the harness sends as ``X-Tandem-Session``) and ``TANDEM_TASK`` (the task's user prompt) in its
+environment and the workspace as its working directory. When the command ends, the workspace is graded exactly
+like a built-in session's (fresh sandbox, hidden tests) and the gateway's token-exact record of the session
+becomes the trajectory.
 
 Invariants:
 - The trajectory's tokens are the gateway's record: ids the engine consumed and produced, never
@@ -99,17 +102,24 @@ class ExternalHarness:
             session = sessions.get(sid)
             return session.trajectory() if session is not None else None
 
-        traj = run_external_session(
-            task,
-            list(r.harness_command),
-            self.url,
-            self.api_key,
-            session_id,
-            mounts,
-            self.cfg.sandbox,
-            self.cfg.reward,
-            record,
-        )
+        tenants = self.app.state.gateway.tenants
+        key = secrets.token_urlsafe(24)  # this rollout's own key, revoked once its harness has exited
+        tenants.add(key, session_id, r.harness_max_concurrent, r.harness_max_sessions)
+        try:
+            traj = run_external_session(
+                task,
+                list(r.harness_command),
+                self.url,
+                key,
+                session_id,
+                mounts,
+                self.cfg.sandbox,
+                self.cfg.reward,
+                record,
+                harness_done=lambda: tenants.revoke(key),
+            )
+        finally:
+            tenants.revoke(key)  # idempotent
         session = sessions.get(session_id)
         if session is not None:  # the outcome, for GET /v1/tandem/sessions/ID
             session.reward = traj.reward

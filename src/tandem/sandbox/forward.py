@@ -9,8 +9,9 @@ reach any host address. To let it call the gateway (and only the gateway):
   relays each connection to ``/run/tandem/gateway.sock``, runs the command, and exits with its status.
 
 Invariants: the forwarder relays bytes to one fixed address (the gateway's), so nothing else of the host
-is reachable through it; the socket file belongs to the sandbox's agent uid; :meth:`SocketForwarder.close`
-stops accepting and closes every relayed connection.
+is reachable through it; it relays at most ``MAX_CONNECTIONS`` connections at once (the rest wait in the
+socket's backlog), so a sandbox cannot start host threads without bound; the socket file belongs to the
+sandbox's agent uid; :meth:`SocketForwarder.close` stops accepting and closes every relayed connection.
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ _namespace: dict[str, object] = {}
 exec(compile(RELAY, "<tandem relay>", "exec"), _namespace)  # the same relay code as inside the sandbox
 _relay = _namespace["pipe"]
 
+MAX_CONNECTIONS = 32
+"""Connections one sandbox's forwarder relays at once (two host threads each); more wait in the socket's
+backlog until one ends. A probe opened 200 connections straight to the socket (410 threads on the host, and
+nothing bounded it below the machine's pid limit)."""
+
 
 class SocketForwarder:
     """Relays connections on a unix socket to the gateway at ``url`` (``http://host:port[/...]``)."""
@@ -108,16 +114,19 @@ class SocketForwarder:
             os.chown(directory, owner, owner)
             os.chown(self.path, owner, owner)
         self._server.listen(64)
-        self._conns: list[socket.socket] = []
+        self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._closed = False
         threading.Thread(target=self._accept, name="tandem-gateway-forwarder", daemon=True).start()
 
     def _accept(self) -> None:
         while True:
+            self._slots.acquire()  # at most MAX_CONNECTIONS relayed at once; the rest wait in the backlog
             try:
                 conn, _ = self._server.accept()
             except OSError:
+                self._slots.release()
                 return
             try:
                 up = socket.create_connection(self.target, timeout=10)
@@ -125,21 +134,38 @@ class SocketForwarder:
                 up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 conn.close()
+                self._slots.release()
                 continue
             with self._lock:
                 if self._closed:
                     conn.close()
                     up.close()
                     return
-                self._conns += [conn, up]
+                self._conns |= {conn, up}
+            ends = [2]  # the two directions of this connection; the last to end frees its slot
+
+            def relay(a: socket.socket, b: socket.socket, ends: list[int] = ends) -> None:
+                try:
+                    _relay(a, b)
+                finally:
+                    with self._lock:
+                        ends[0] -= 1
+                        last = ends[0] == 0
+                        if last:
+                            self._conns -= {a, b}
+                    if last:
+                        a.close()
+                        b.close()
+                        self._slots.release()
+
             for a, b in ((conn, up), (up, conn)):
-                threading.Thread(target=_relay, args=(a, b), daemon=True).start()
+                threading.Thread(target=relay, args=(a, b), daemon=True).start()
 
     def close(self) -> None:
         """Stop accepting and close every relayed connection. Idempotent."""
         with self._lock:
             self._closed = True
-            conns, self._conns = self._conns, []
+            conns, self._conns = list(self._conns), set()
         for s in [self._server, *conns]:
             try:
                 s.shutdown(socket.SHUT_RDWR)

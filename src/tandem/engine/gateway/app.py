@@ -13,7 +13,9 @@ Invariants:
   and decoded strictly (``protocol.decode_json``: no lone surrogates, no non-finite numbers, anywhere)
   before any route looks at them, so nothing generated, stored or served later can fail on them.
 - With ``config.api_key`` set, every ``/v1`` route needs ``Authorization: Bearer <key>`` (401 otherwise,
-  constant-time comparison); ``/health`` stays open.
+  constant-time comparison); ``/health`` stays open. Tenant keys (``state.gateway.tenants``, see
+  ``tandem.engine.gateway.tenants``) are accepted too, each with its own limits and sessions; once a key
+  is registered, a request without a valid key is refused even when ``api_key`` is unset.
 - At most ``config.max_concurrent`` chat requests are in flight; one more gets 429 with ``Retry-After``
   before its body is read. Counting happens on the event loop thread only (no locks needed).
 - A request with a session id (``X-Tandem-Session`` header, read as UTF-8, else the ``user`` field; checked by
@@ -61,6 +63,7 @@ from tandem.engine.gateway.protocol import (
 from tandem.engine.gateway.responses import ResponseBuilder, to_turn
 from tandem.engine.gateway.sessions import Plan, Session, SessionStore, Turn
 from tandem.engine.gateway.stream import ContentStream
+from tandem.engine.gateway.tenants import Tenant, Tenants
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +144,7 @@ class _CatchAll:
 class _State:
     def __init__(self, config: GatewayConfig) -> None:
         self.sessions = SessionStore(config.max_sessions)
+        self.tenants = Tenants()
         self.in_flight = 0
         self.tasks: set[asyncio.Task] = set()  # streams being produced (a reference keeps them alive)
         self.counters = {
@@ -209,21 +213,27 @@ def create_app(
     def _gone(when: str) -> ApiError:
         return ApiError(499, f"the client disconnected {when}; nothing was recorded")
 
-    def check_auth(request: Request) -> None:
-        if cfg.api_key is None:
-            return
+    def check_auth(request: Request) -> Tenant | None:
+        """None for the gateway's own key (or an open gateway), the tenant of a tenant key; else 401."""
+        if cfg.api_key is None and not len(st.tenants):
+            return None
         got = request.headers.get("authorization", "")
         scheme, _, token = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), cfg.api_key.encode()
-        ):
-            raise ApiError(
-                401,
-                "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key the "
-                "gateway was started with (--api-key)",
-                None,
-                {"WWW-Authenticate": "Bearer"},
-            )
+        token = token.strip()
+        if scheme.lower() == "bearer":
+            if cfg.api_key is not None and hmac.compare_digest(token.encode(), cfg.api_key.encode()):
+                return None
+            tenant = st.tenants.find(token)
+            if tenant is not None:
+                return tenant
+        raise ApiError(
+            401,
+            "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the key the "
+            "gateway was started with (--api-key), or the key your rollout was given (OPENAI_API_KEY), which "
+            "ends with the rollout",
+            None,
+            {"WWW-Authenticate": "Bearer"},
+        )
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -247,18 +257,16 @@ def create_app(
 
     @app.get("/v1/tandem/sessions/{sid}")
     async def get_session(sid: str, request: Request) -> JSONResponse:
-        check_auth(request)
-        return JSONResponse(_session(sid).to_json())
+        return JSONResponse(_session(sid, check_auth(request)).to_json())
 
     @app.post("/v1/tandem/sessions/{sid}/reward")
     async def post_reward(sid: str, request: Request) -> JSONResponse:
-        check_auth(request)
-        session = _session(sid)
+        session = _session(sid, check_auth(request))
         session.reward = parse_reward(await _json_body(request))
         return JSONResponse({"session_id": sid, "reward": session.reward.to_dict()})
 
-    def _session(sid: str) -> Session:
-        s = st.sessions.get(sid)
+    def _session(sid: str, tenant: Tenant | None) -> Session:
+        s = st.sessions.get(sid) if st.tenants.may_read(tenant, sid) else None  # another tenant's: "no such"
         if s is None:
             raise ApiError(
                 404,
@@ -291,7 +299,7 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
-        check_auth(request)
+        tenant = check_auth(request)
         st.counters["requests"] += 1
         if st.in_flight >= cfg.max_concurrent:
             raise ApiError(
@@ -301,13 +309,38 @@ def create_app(
                 None,
                 {"Retry-After": str(cfg.retry_after_s)},
             )
+        if tenant is not None and tenant.in_flight >= tenant.max_in_flight:
+            raise ApiError(
+                429,
+                f"too many requests in flight for this key (at most {tenant.max_in_flight} at once); retry "
+                f"after {cfg.retry_after_s} s",
+                None,
+                {"Retry-After": str(cfg.retry_after_s)},
+            )
         st.in_flight += 1
+        if tenant is not None:
+            tenant.in_flight += 1
+            tenant.loop = asyncio.get_running_loop()
         try:
-            return await _chat(request)
+            return await _chat(request, tenant)
         finally:
             st.in_flight -= 1
+            if tenant is not None:
+                tenant.in_flight -= 1
 
-    async def _chat(request: Request) -> Any:
+    def _revoked() -> ApiError:
+        return ApiError(401, "this key was revoked (its rollout ended); nothing was generated or recorded")
+
+    def _claim(tenant: Tenant | None, sid: str | None) -> None:
+        why = None if tenant is None or sid is None else st.tenants.claim(tenant, sid)
+        if why == "other":
+            raise ApiError(404, f"no session {sid!r} for this key: another client's session", "session_id")
+        if why == "limit":
+            raise ApiError(
+                429, f"this key may name at most {tenant.max_sessions} sessions; reuse one", "session_id"
+            )
+
+    async def _chat(request: Request, tenant: Tenant | None) -> Any:
         body = await _json_body(request)
         req = parse_chat_request(body, max_n=cfg.max_n, max_tokens_limit=ctx, max_top_logprobs=top_lp)
         if req.top_p < 1.0 and not top_p_ok:
@@ -322,6 +355,7 @@ def create_app(
         except ForcingUnsupported as e:
             raise ApiError(400, str(e), "tool_choice") from None
         sid = _header_session(request) or session_id(req.user, "user")
+        _claim(tenant, sid)
         session = None if sid is None else await st.sessions.acquire(sid)
         plan: Plan | None = None
         owned = True  # this coroutine releases the session (a stream's producer takes it over)
@@ -338,16 +372,16 @@ def create_app(
                 builder = ResponseBuilder(req, model_name, prompt, engine.version, decode)
                 out: asyncio.Queue[str | None] = asyncio.Queue()
                 tokens: asyncio.Queue[tuple[int, list[int] | None]] = asyncio.Queue()
-                futures = _submit(prompt, req, tokens)
+                futures = _submit(prompt, req, tokens, tenant)
                 st.in_flight += 1  # released by the producer when the stream is complete
-                job = _produce(req, forced, futures, tokens, builder, session, plan, out)
+                job = _produce(req, forced, futures, tokens, builder, session, plan, out, tenant)
                 task = asyncio.create_task(job)
                 st.tasks.add(task)
                 task.add_done_callback(st.tasks.discard)
                 owned = False
                 return StreamingResponse(_drain(out), media_type="text/event-stream")
             t0 = time.perf_counter()
-            turns, finishes = await _collect(_submit(prompt, req, None), req, forced)
+            turns, finishes = await _collect(_submit(prompt, req, None, tenant), req, forced, tenant)
             if await request.is_disconnected():  # nobody would see this turn: do not record it
                 raise _gone("before its answer was ready")
             extra = _commit(session, plan, req, turns, time.perf_counter() - t0)
@@ -377,11 +411,17 @@ def create_app(
         }
 
     def _submit(
-        prompt: list[int], req: ChatRequest, tokens: asyncio.Queue[tuple[int, list[int] | None]] | None
+        prompt: list[int],
+        req: ChatRequest,
+        tokens: asyncio.Queue[tuple[int, list[int] | None]] | None,
+        tenant: Tenant | None,
     ) -> list[asyncio.Future[Completion]]:
         """Send the ``n`` generations to the engine. With ``tokens``, each choice's sampled ids are put on it
         as ``(choice, ids)`` while the engine samples them (engines with ``streams_tokens``), then
-        ``(choice, None)`` once its completion is ready."""
+        ``(choice, None)`` once its completion is ready. A tenant's futures are its own (``revoke`` cancels
+        them)."""
+        if tenant is not None and tenant.revoked:
+            raise _revoked()
         if len(prompt) >= ctx:
             raise ApiError(
                 400,
@@ -413,16 +453,27 @@ def create_app(
                 fut = asyncio.wrap_future(engine.submit(greq))
             if tokens is not None:
                 fut.add_done_callback(lambda _f, i=i, q=tokens: q.put_nowait((i, None)))
+            if tenant is not None:
+                tenant.futures.add(fut)
+                fut.add_done_callback(tenant.futures.discard)
             futures.append(fut)
         return futures
 
     async def _collect(
-        futures: list[asyncio.Future[Completion]], req: ChatRequest, forced: list[int]
+        futures: list[asyncio.Future[Completion]], req: ChatRequest, forced: list[int], tenant: Tenant | None
     ) -> tuple[list[Turn], list[str]]:
         try:
             done: list[Completion] = await asyncio.wait_for(asyncio.gather(*futures), cfg.request_timeout_s)
         except TimeoutError:
             raise _timeout() from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if tenant is not None and tenant.revoked and not (task is not None and task.cancelling()):
+                raise _revoked() from None  # its futures were cancelled by revoke, not this handler
+            raise
+        finally:
+            for f in futures:
+                f.cancel()  # no-op when done; a timed-out or cancelled request is abandoned by the engine
         return _turns(done, req, forced)
 
     def _timeout() -> ApiError:
@@ -447,6 +498,7 @@ def create_app(
         session: Session | None,
         plan: Plan | None,
         out: asyncio.Queue[str | None],
+        tenant: Tenant | None,
     ) -> None:
         """One streamed answer, run as its own task so it completes (and the session lock is released)
         whether or not the client keeps reading. Errors after the first chunk become an error event."""
@@ -467,6 +519,8 @@ def create_app(
                     left -= 1
                 elif text := streams[i].push(ids):
                     out.put_nowait(builder.delta(i, text))
+            if any(f.cancelled() for f in futures):
+                raise _revoked()  # only revoke cancels a stream's futures before they are done
             turns, finishes = _turns([f.result() for f in futures], req, forced)
             extra = _commit(session, plan, req, turns, time.perf_counter() - t0)
             for chunk in builder.tail(turns, finishes, extra, [s.sent for s in streams]):
