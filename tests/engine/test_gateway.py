@@ -814,7 +814,9 @@ def test_request_whose_client_left_while_waiting_for_its_session_is_not_generate
     assert len(rec["segments"]) == 1 and rec["tool_stats"]["requests"] == 2
 
 
-def test_non_streamed_turn_whose_client_left_is_not_recorded(server, http):
+def test_non_streamed_turn_whose_client_left_is_not_recorded_nor_generated_further(stack, server, http):
+    engine, _ = stack
+    before, gone = engine.stats()["cancelled"], http.get("/health").json()["counters"]["disconnected"]
     with pytest.raises(httpx.ReadTimeout):  # hangs up while the engine generates
         httpx.post(
             server.url + "/v1/chat/completions",
@@ -824,6 +826,11 @@ def test_non_streamed_turn_whose_client_left_is_not_recorded(server, http):
         )
     _wait_in_flight(server.url, False)
     assert http.get("/v1/tandem/sessions/left-generating").status_code == 404
+    deadline = time.monotonic() + 30
+    while (engine.health()["active"] or engine.health()["queued"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.stats()["cancelled"] == before + 1  # stopped, not generated to its 400 tokens
+    assert http.get("/health").json()["counters"]["disconnected"] == gone + 1
 
 
 def test_sessions_in_flight_are_never_evicted(stack):
@@ -1064,7 +1071,7 @@ def test_tenant_keys_are_bounded_isolated_and_revoked(stack):
         assert codes == [401, 401, 401, 401, 429], codes  # four in flight (the fifth over a's limit)
         assert time.monotonic() - t0 < 20  # 32 sequences of 400 tokens were not waited for
         assert "revoked" in next(r for r in results if r.status_code == 401).json()["error"]["message"]
-        while engine.health()["active"] and time.monotonic() < deadline:
+        while (engine.health()["active"] or engine.health()["queued"]) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert engine.stats()["cancelled"] == cancelled_before + 32  # running ones stopped, queued never ran
         assert time.monotonic() - t0 < 20  # 32 sequences of 400 tokens were not generated in full

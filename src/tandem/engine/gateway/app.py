@@ -22,8 +22,10 @@ Invariants:
   ``protocol.session_id``) is recorded as described in ``tandem.engine.gateway.sessions``; the prompt sent to
   the engine is the session's recorded ids plus the new context. Without a session id nothing is recorded.
 - A client that has disconnected when its request's turn comes (the session lock acquired) is not generated
-  for; a non-streamed answer whose client disconnected before it was ready is not recorded (both answered
-  499 to nobody and counted as ``disconnected``). One check each, no polling.
+  for; a non-streamed request whose client disconnects while it generates has its generations cancelled
+  (engines drop queued ones and the built-in engine stops running ones) and is not recorded (both answered
+  499 to nobody and counted as ``disconnected``): a harness that timed out and retried left the abandoned
+  generations running before.
 - ``stream: true``: the answer is produced by its own task (it holds the session lock and an in-flight slot
   until generation ends and the record is committed, whether or not the client keeps reading: a stream
   whose client hangs up mid-generation is still recorded, as its turn was partly sent); content
@@ -381,7 +383,8 @@ def create_app(
                 owned = False
                 return StreamingResponse(_drain(out), media_type="text/event-stream")
             t0 = time.perf_counter()
-            turns, finishes = await _collect(_submit(prompt, req, None, tenant), req, forced, tenant)
+            futures = _submit(prompt, req, None, tenant)
+            turns, finishes = await _collect(futures, req, forced, tenant, request)
             if await request.is_disconnected():  # nobody would see this turn: do not record it
                 raise _gone("before its answer was ready")
             extra = _commit(session, plan, req, turns, time.perf_counter() - t0)
@@ -460,21 +463,42 @@ def create_app(
         return futures
 
     async def _collect(
-        futures: list[asyncio.Future[Completion]], req: ChatRequest, forced: list[int], tenant: Tenant | None
+        futures: list[asyncio.Future[Completion]],
+        req: ChatRequest,
+        forced: list[int],
+        tenant: Tenant | None,
+        request: Request,
     ) -> tuple[list[Turn], list[str]]:
+        """A non-streamed request's completions. Its generations are cancelled (engines drop or stop them)
+        when the client disconnects meanwhile (499, nothing recorded), when ``request_timeout_s`` passes
+        (504) and when its tenant key is revoked (401)."""
+        gathered = asyncio.gather(*futures)
+        gone = asyncio.ensure_future(_disconnect(request))
         try:
-            done: list[Completion] = await asyncio.wait_for(asyncio.gather(*futures), cfg.request_timeout_s)
-        except TimeoutError:
-            raise _timeout() from None
+            finished, _ = await asyncio.wait(
+                {gathered, gone}, timeout=cfg.request_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if gathered in finished:
+                done: list[Completion] = gathered.result()
+            elif gone in finished:
+                raise _gone("while its answer was generated")
+            else:
+                raise _timeout()
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if tenant is not None and tenant.revoked and not (task is not None and task.cancelling()):
                 raise _revoked() from None  # its futures were cancelled by revoke, not this handler
             raise
         finally:
+            gone.cancel()
             for f in futures:
-                f.cancel()  # no-op when done; a timed-out or cancelled request is abandoned by the engine
+                f.cancel()  # no-op when done; an abandoned request is dropped or stopped by the engine
         return _turns(done, req, forced)
+
+    async def _disconnect(request: Request) -> None:
+        """Returns when the client of ``request`` (body already read) disconnects."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     def _timeout() -> ApiError:
         st.counters["timeout"] += 1
