@@ -203,6 +203,23 @@ def test_an_update_lands_between_steps_of_running_sessions(engine):
     assert pauses and pauses[0] < 5.0 and engine.health()["version"] == v0 + 1
 
 
+def test_a_cancelled_request_is_aborted_running_or_queued(engine):
+    """A request whose caller gave up (a client that left, a revoked rollout) stops at the engine's next
+    step, and a queued one never runs; the others finish as usual."""
+    start, before = engine.stats()["tokens_generated"], engine.stats()["cancelled"]
+    running = engine.submit(sampled(11, n=400))
+    while engine.stats()["tokens_generated"] < start + 10:
+        time.sleep(0.005)
+    assert running.cancel()
+    kept = engine.submit(sampled(12, n=8))
+    assert kept.result(timeout=60).finish_reason == "length"
+    deadline = time.monotonic() + 60
+    while (engine.health()["active"] or engine.health()["queued"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats()["cancelled"] == before + 1
+    assert engine.stats()["tokens_generated"] - start < 200  # not generated to its 400 tokens
+
+
 def test_prefix_blocks_of_older_weights_are_never_reused(engine):
     prompt = [20 + k % 2000 for k in range(300)]  # more than one KV block of the CPU build (128 tokens)
 

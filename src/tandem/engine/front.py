@@ -8,8 +8,8 @@ Invariants:
   or that are already resolved); errors are ``Completion(finish_reason="error")`` (``error_completion``),
   never exceptions. An iteration that raises fails the active sessions and every request it took from the
   queue, so no request is left unanswered. A queued request whose future its caller cancelled is dropped
-  when its turn comes, never generated (counted in ``stats()["cancelled"]``); the built-in engine also
-  stops a running one at its next step (vLLM's finish).
+  when its turn comes, never generated (counted in ``stats()["cancelled"]``); a running one is stopped at
+  the engine's next step (the built-in engine retires it, vLLM aborts it).
 - ``health`` reads the queue and the active sessions under the same lock the loop uses.
 - Idle bursts are gathered (``EngineConfig.gather_idle_ms`` / ``gather_idle_max_ms``): when requests reach an
   idle engine (no session running, no weight update queued), the loop holds them back until (a) as many are

@@ -385,6 +385,13 @@ class VllmEngine(RequestFront):
             self._apply(u)
         for item in admitted:
             self._add(item.request, item.future, item.number, item.on_tokens)
+        gone = [rid for rid, s in self._active.items() if s.future.cancelled()]
+        if gone:  # their callers gave up (a client that left, a revoked rollout): vLLM stops them now
+            self._llm.abort_request(gone)
+            for rid in gone:
+                del self._active[rid]
+            with self._cv:
+                self._stats["cancelled"] += len(gone)
         if self._active:
             self._step()
 
