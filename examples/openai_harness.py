@@ -18,7 +18,7 @@ import sys
 
 from openai import OpenAI
 
-MAX_TURNS = int(os.environ.get("HARNESS_MAX_TURNS", "6"))
+MAX_TURNS = int(os.environ.get("HARNESS_MAX_TURNS", os.environ.get("TANDEM_MAX_TURNS", "6")))
 MAX_TOKENS = int(os.environ.get("HARNESS_MAX_TOKENS", "192"))
 TOOLS = [
     {

@@ -1077,3 +1077,6 @@ def test_tenant_keys_are_bounded_isolated_and_revoked(stack):
         assert time.monotonic() - t0 < 20  # 32 sequences of 400 tokens were not generated in full
         assert post(ka, "s1").status_code == 401 and post(kb, "t1").status_code == 200
         assert app.state.gateway.in_flight == 0
+        kc = "tenant-c-0123456789abcdef"
+        tenants.add(kc, "c", max_in_flight=4, max_sessions=2, max_requests=2)  # a rollout's turns
+        assert [post(kc, "u").status_code for _ in range(3)] == [200, 200, 429]

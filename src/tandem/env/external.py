@@ -3,10 +3,10 @@
 Invariants:
 - The command runs in a fresh sandbox of the task's workspace whose only way out is ``gateway_url`` (see
   ``tandem.sandbox.forward``), with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``TANDEM_SESSION``,
-  ``TANDEM_TASK`` (the task's user prompt) and ``PYTHONPATH`` (the read-only ``mounts``) in its
-  environment, the workspace as its working directory and ``task.limits.wall_time_s`` as its time limit.
-  Inside the mounts, the packages that hold tasks' hidden tests or answers are hidden (``task_data_paths``:
-  empty directories bound over them).
+  ``TANDEM_TASK`` (the task's user prompt), ``TANDEM_MAX_TURNS`` (the requests its key is served) and
+  ``PYTHONPATH`` (the read-only ``mounts``) in its environment, the workspace as its working directory and
+  ``task.limits.wall_time_s`` as its time limit. Inside the mounts, the packages that hold tasks' hidden
+  tests or answers are hidden (``task_data_paths``: empty directories bound over them).
 - The trajectory's segments are the gateway's record of the session (``record(session_id)``), never
   re-tokenized; empty segments are dropped (``flags["no_requests"]`` when nothing is left).
 - A non-zero exit, a crash, a timeout or a sandbox failure gives ``flags["harness_failed"]`` (or
@@ -96,6 +96,7 @@ def run_external_session(
         "OPENAI_API_KEY": api_key,
         "TANDEM_SESSION": session_id,
         "TANDEM_TASK": prompt,
+        "TANDEM_MAX_TURNS": str(task.limits.max_turns),  # the gateway serves this key that many requests
         "PYTHONPATH": ":".join(mounts),
     }
     try:

@@ -7,12 +7,12 @@ the command and the grading are ``tandem.env.external.run_external_session``.
 door out, to a gateway (``tandem.engine.gateway``) that this worker serves on 127.0.0.1 over its own generate
 function, and runs the command in it with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` (a random key of this
 rollout's own: a gateway tenant key, see ``tandem.engine.gateway.tenants``, allowed
-``rollout.harness_max_concurrent`` requests in flight and ``rollout.harness_max_sessions`` sessions, and
-revoked as soon as the harness exits, which cancels what it still has in flight), ``TANDEM_SESSION`` (the
-session id the harness sends as ``X-Tandem-Session``) and ``TANDEM_TASK`` (the task's user prompt) in its
-environment and the workspace as its working directory. When the command ends, the workspace is graded exactly
-like a built-in session's (fresh sandbox, hidden tests) and the gateway's token-exact record of the session
-becomes the trajectory.
+``rollout.harness_max_concurrent`` requests in flight, ``rollout.harness_max_sessions`` sessions and the
+task's ``max_turns`` requests in all, and revoked as soon as the harness exits, which cancels what it still
+has in flight), ``TANDEM_SESSION`` (the session id the harness sends as ``X-Tandem-Session``) and
+``TANDEM_TASK`` (the task's user prompt) in its environment and the workspace as its working directory. When
+the command ends, the workspace is graded exactly like a built-in session's (fresh sandbox, hidden tests) and
+the gateway's token-exact record of the session becomes the trajectory.
 
 Invariants:
 - The trajectory's tokens are the gateway's record: ids the engine consumed and produced, never
@@ -104,7 +104,7 @@ class ExternalHarness:
 
         tenants = self.app.state.gateway.tenants
         key = secrets.token_urlsafe(24)  # this rollout's own key, revoked once its harness has exited
-        tenants.add(key, session_id, r.harness_max_concurrent, r.harness_max_sessions)
+        tenants.add(key, session_id, r.harness_max_concurrent, r.harness_max_sessions, task.limits.max_turns)
         try:
             traj = run_external_session(
                 task,

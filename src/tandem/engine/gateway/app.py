@@ -311,6 +311,12 @@ def create_app(
                 None,
                 {"Retry-After": str(cfg.retry_after_s)},
             )
+        if tenant is not None and tenant.max_requests is not None and tenant.requests >= tenant.max_requests:
+            raise ApiError(
+                429,
+                f"this key has made its {tenant.max_requests} requests (its rollout's turns, "
+                "tasks.max_turns); no more are served",
+            )
         if tenant is not None and tenant.in_flight >= tenant.max_in_flight:
             raise ApiError(
                 429,
@@ -322,6 +328,7 @@ def create_app(
         st.in_flight += 1
         if tenant is not None:
             tenant.in_flight += 1
+            tenant.requests += 1
             tenant.loop = asyncio.get_running_loop()
         try:
             return await _chat(request, tenant)
