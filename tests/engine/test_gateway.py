@@ -1080,3 +1080,21 @@ def test_tenant_keys_are_bounded_isolated_and_revoked(stack):
         kc = "tenant-c-0123456789abcdef"
         tenants.add(kc, "c", max_in_flight=4, max_sessions=2, max_requests=2)  # a rollout's turns
         assert [post(kc, "u").status_code for _ in range(3)] == [200, 200, 429]
+
+
+def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(http):
+    """8 MiB of text took the gateway's event loop 6.5 s to tokenize before the context check refused it, and
+    every other session on the gateway waited (a probe's harness held it for minutes)."""
+    from tandem.engine.gateway.app import prompt_chars
+
+    huge = {"messages": [{"role": "user", "content": "abc " * 1_000_000}], "max_tokens": 1}
+    r = http.post("/v1/chat/completions", json=huge)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "4000000 characters" in r.json()["error"]["message"]
+    tool = {"type": "function", "function": {"name": "f", "description": "does f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "description": "d" * 10_000}}}}}  # fmt: skip
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+            "tools": [tool]}  # fmt: skip
+    assert prompt_chars(body) == len("hi") + len("f{}") + len("f") + len("does f") + len("x")  # as rendered

@@ -11,7 +11,9 @@ Invariants:
   closes the keep-alive connection).
 - Request bodies are read up to ``max_body_bytes`` and no further (413 as soon as a chunked body passes it)
   and decoded strictly (``protocol.decode_json``: no lone surrogates, no non-finite numbers, anywhere)
-  before any route looks at them, so nothing generated, stored or served later can fail on them.
+  before any route looks at them, so nothing generated, stored or served later can fail on them. A chat
+  request whose rendered text (``prompt_chars``) exceeds the context times the longest token's characters
+  is refused (400, ``messages``) before anything is tokenized.
 - With ``config.api_key`` set, every ``/v1`` route needs ``Authorization: Bearer <key>`` (401 otherwise,
   constant-time comparison); ``/health`` stays open. Tenant keys (``state.gateway.tenants``, see
   ``tandem.engine.gateway.tenants``) are accepted too, each with its own limits and sessions; once a key
@@ -162,6 +164,59 @@ class _State:
         }
 
 
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """An upper bound on the characters of text one token stands for: its longest vocabulary entry (a
+    byte-level entry has a character per byte, and a character takes at least one byte); None when the
+    tokenizer does not list its vocabulary."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else None
+    return max(8, max(map(len, vocab), default=0)) if vocab else None
+
+
+def _strings(value: Any) -> int:
+    """Characters in every string of a decoded JSON value (iterative: JSON nests deep)."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total
+
+
+def prompt_chars(body: Any) -> int:
+    """A lower bound on the characters the chat template renders from a request body: message contents (text
+    parts), tool calls' names and arguments, and each tool's name, parameter names and description (what
+    ``tandem.model.chat.tool_line`` shows). Counted before anything is tokenized."""
+    if not isinstance(body, dict):
+        return 0
+    total = 0
+    for m in body.get("messages") if isinstance(body.get("messages"), list) else []:
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(
+                len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
+        for call in m.get("tool_calls") if isinstance(m.get("tool_calls"), list) else []:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                total += _strings(fn.get("name")) + _strings(fn.get("arguments"))
+    for tool in body.get("tools") if isinstance(body.get("tools"), list) else []:
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if isinstance(fn, dict):
+            params = fn.get("parameters")
+            props = params.get("properties") if isinstance(params, dict) else None
+            total += _strings(fn.get("name")) + _strings(fn.get("description"))
+            total += sum(len(k) for k in props) if isinstance(props, dict) else 0
+    return total
+
+
 def create_app(
     engine: Engine, chat_format: ChatFormat, tokenizer: Any, config: GatewayConfig | None = None
 ) -> FastAPI:
@@ -169,6 +224,8 @@ def create_app(
     cfg = config or GatewayConfig()
     model_name = cfg.model_name or "tandem"
     ctx = context_length(engine)
+    longest = longest_token_chars(tokenizer)
+    max_chars = None if longest is None else ctx * longest  # more text than this cannot fit ``ctx`` tokens
     end_of_turn = int(chat_format.stop_token_ids[0])
     top_lp = int(getattr(engine, "max_top_logprobs", 0))
     top_p_ok = bool(getattr(engine, "supports_top_p", True))
@@ -351,6 +408,15 @@ def create_app(
 
     async def _chat(request: Request, tenant: Tenant | None) -> Any:
         body = await _json_body(request)
+        chars = prompt_chars(body)
+        if max_chars is not None and chars > max_chars:  # before tokenizing: 8 MiB took the loop 6.5 s
+            raise ApiError(
+                400,
+                f"the messages and tools hold {chars} characters, more than the model's context of {ctx} "
+                f"tokens can take (at most {max_chars}: no token stands for more than {longest} characters); "
+                "shorten the messages or start a new session",
+                "messages",
+            )
         req = parse_chat_request(body, max_n=cfg.max_n, max_tokens_limit=ctx, max_top_logprobs=top_lp)
         if req.top_p < 1.0 and not top_p_ok:
             raise ApiError(
