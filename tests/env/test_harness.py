@@ -11,7 +11,7 @@ from tandem.core.config import RewardConfig, SandboxConfig
 from tandem.core.generation import Completion, SamplingParams
 from tandem.core.records import Message
 from tandem.env.expert import expert_transcript
-from tandem.env.harness import run_session
+from tandem.env.harness import WALL_TIME_UP, run_session
 from tandem.env.tasks import TOOLS, generate_task
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tandem-base"
@@ -100,6 +100,23 @@ def test_hanging_command_is_killed_at_its_timeout(chat):
     observation = [m.content for m in traj.messages if m.role == "tool"][0]
     assert "timed out" in observation
     assert traj.timings["tools_s"] < 30
+
+
+def test_tool_calls_stop_at_the_sessions_wall_time(chat):
+    """A probe's turn of 4 x `sleep 9.8` then one of 12 `run_tests` against a hanging solution kept a
+    60 s session running 170 s: the wall time was checked only before each generation. Now each call gets
+    what is left of it, and calls past it are not run."""
+    import dataclasses
+
+    task = generate_task("train", 5, 0, 1)
+    task = dataclasses.replace(task, limits=dataclasses.replace(task.limits, wall_time_s=3.0))
+    sleep = {"name": "run", "arguments": {"command": "sleep 9"}}
+    replies = [Message("assistant", "", [sleep] * 4), Message("assistant", "", [sleep])]
+    traj = run(task, scripted(chat, replies)[0], chat, timeout_s=10.0)
+    observations = [m.content for m in traj.messages if m.role == "tool"]
+    assert "timed out" in observations[0] and observations[1:] == [WALL_TIME_UP]
+    assert traj.flags["truncated"] and traj.tool_stats["turns"] == 1 and traj.tool_stats["tool_calls"] == 1
+    assert traj.timings["tools_s"] < 9  # the first sleep was cut at the session's 3 s
 
 
 def test_engine_error_ends_the_session_with_zero_reward(chat):

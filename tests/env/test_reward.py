@@ -174,6 +174,20 @@ def test_workspace_diff() -> None:
     assert workspace_diff({"a": "1"}, {"a": "1"}) == ""
 
 
+def test_workspace_diff_is_bounded() -> None:
+    """A probe rewrote a protected test to 15 MiB: a 17 million character diff and 3.4 s of difflib."""
+    from tandem.env.reward import DIFF_FILE_MAX_CHARS, DIFF_MAX_CHARS
+
+    lines = "".join(f"line {i}\n" for i in range(30))
+    big = lines + "".join(f"{i}\n" for i in range(2_000_000))
+    d = workspace_diff({"t.py": lines, "s.py": "a\n"}, {"t.py": big, "s.py": "b\n"})
+    assert f"diff of t.py omitted: {len(lines)} -> {len(big)} characters (over {DIFF_FILE_MAX_CHARS})" in d
+    assert "-a\n+b\n" in d and len(d) < 1000  # the small file is still diffed
+    many = {f"f{i}.py": "x" * 1000 + "\n" for i in range(2000)}  # 2 MB of small files
+    d = workspace_diff({}, many)
+    assert len(d) <= DIFF_MAX_CHARS + 100 and d.endswith(f"[diff cut at {DIFF_MAX_CHARS} characters]\n")
+
+
 def test_hidden_tests_never_appear_in_the_agent_workspace() -> None:
     from tandem.env.humaneval import get_task as humaneval_task
     from tandem.sandbox import create_sandbox

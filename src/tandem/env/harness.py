@@ -38,6 +38,7 @@ from tandem.core.records import Message, Reward, SegmentBuilder, Task, Trajector
 GenerateFn = Callable[[GenerationRequest], Awaitable[Completion]]
 ENGINE_ERROR = "engine error: "  # the last message of a session an engine error ended, then the reason
 SANDBOX_ERROR = "sandbox error: "  # likewise for a sandbox that could not start
+WALL_TIME_UP = "error: the session's time limit (tasks.wall_time_s) is reached; this call was not run"
 HARNESS_ERROR = "harness error: "  # likewise for an external harness that failed (``tandem.env.external``)
 NO_REQUESTS = (
     "the harness made no requests to the gateway (does it send them to $OPENAI_BASE_URL with the session in "
@@ -181,8 +182,14 @@ async def run_session(
                 break
             t0 = time.monotonic()
             for call in calls:
+                left = limits.wall_time_s - (time.monotonic() - started)
+                if left <= 0:  # the session's time is up: later calls of this turn are not run
+                    observations.append(Message("tool", WALL_TIME_UP))
+                    flags["truncated"] = True
+                    break
                 stats["tool_calls"] += 1
-                result = await asyncio.to_thread(execute_tool, sandbox, task, call)
+                timeout = min(sandbox.config.timeout_s, left)
+                result = await asyncio.to_thread(execute_tool, sandbox, task, call, timeout)
                 if result.error:
                     stats["tool_errors"] += 1
                 observations.append(Message("tool", result.content, name=str(call.get("name", ""))))
@@ -191,7 +198,7 @@ async def run_session(
                     break
             timings["tools_s"] += time.monotonic() - t0
             messages.extend(observations)
-            if flags["submitted"]:
+            if flags["submitted"] or flags["truncated"]:
                 break
             continuation = chat.render_continuation(observations)
             if len(builder) + len(continuation) >= limits.max_tokens:
@@ -232,6 +239,7 @@ async def run_session(
         )
     timings["score_s"] = time.monotonic() - t0
     flags["tests_edited"] = tests_edited(task, files)
+    diff = await asyncio.to_thread(workspace_diff, task.workspace, files)  # off the rollouts' event loop
     flags["limit_violation"] = bool(reward.components.get("limit_violation"))
     timings["total_s"] = time.monotonic() - started
     segment = builder.build()
@@ -244,5 +252,5 @@ async def run_session(
         timings=timings,
         tool_stats=stats,
         messages=messages,
-        diff=workspace_diff(task.workspace, files),
+        diff=diff,
     )

@@ -83,13 +83,31 @@ def tests_edited(task: Task, files: dict[str, str]) -> bool:
     return any(isinstance(p, str) and PurePosixPath(p).name in hidden for p in files)
 
 
+DIFF_FILE_MAX_CHARS = 1 << 18
+"""A file larger than this (either side) is named in a diff, not diffed: ``difflib`` on a probe's 15 MiB
+rewrite of a protected test took 3.4 s on the rollout's event loop."""
+DIFF_MAX_CHARS = 1 << 20
+"""A trajectory's diff is cut at this many characters, with a marker (that probe's diff held 17 million)."""
+
+
 def workspace_diff(before: dict[str, str], after: dict[str, str]) -> str:
-    """Unified diff of ``after`` vs ``before`` (``a/``, ``b/`` paths; ``/dev/null``: added or deleted)."""
+    """Unified diff of ``after`` vs ``before`` (``a/``, ``b/`` paths; ``/dev/null``: added or deleted), at
+    most ``DIFF_MAX_CHARS`` characters; files over ``DIFF_FILE_MAX_CHARS`` get one line naming them."""
     out: list[str] = []
+    size = 0
     for path in sorted(set(before) | set(after)):
         old, new = before.get(path), after.get(path)
         if old == new:
             continue
+        if size > DIFF_MAX_CHARS:
+            break
+        if max(len(old or ""), len(new or "")) > DIFF_FILE_MAX_CHARS:
+            n_old, n_new = len(old) if old is not None else "no", len(new) if new is not None else "no"
+            out.append(f"diff of {path} omitted: {n_old} -> {n_new} characters (over {DIFF_FILE_MAX_CHARS})")
+            out[-1] += "\n"
+            size += len(out[-1])
+            continue
+        start = len(out)
         out.extend(
             difflib.unified_diff(
                 (old or "").splitlines(keepends=True),
@@ -100,7 +118,11 @@ def workspace_diff(before: dict[str, str], after: dict[str, str]) -> str:
         )
         if out and not out[-1].endswith("\n"):
             out[-1] += "\n\\ No newline at end of file\n"
-    return "".join(out)
+        size += sum(len(line) for line in out[start:])
+    text = "".join(out)
+    if len(text) > DIFF_MAX_CHARS:
+        text = text[:DIFF_MAX_CHARS] + f"\n[diff cut at {DIFF_MAX_CHARS} characters]\n"
+    return text
 
 
 def parse_result(stdout: str) -> tuple[int, int] | None:

@@ -88,9 +88,9 @@ def _text(x: Any) -> str:
     return x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x or "")
 
 
-def _exec(sandbox: Any, cmd: list[str]) -> ToolResult:
+def _exec(sandbox: Any, cmd: list[str], timeout_s: float | None = None) -> ToolResult:
     try:
-        res = sandbox.exec(cmd)
+        res = sandbox.exec(cmd) if timeout_s is None else sandbox.exec(cmd, timeout_s=timeout_s)
     except Exception as e:  # noqa: BLE001 - a sandbox failure is an observation, not a crash
         return _err(f"command failed to run: {type(e).__name__}: {e}")
     return ToolResult(
@@ -128,8 +128,11 @@ def parse_arguments(call: dict[str, Any]) -> tuple[str, dict[str, Any]] | ToolRe
     return name, args
 
 
-def execute_tool(sandbox: Any, task: Task, call: dict[str, Any]) -> ToolResult:
-    """Run one tool call in ``sandbox`` for ``task``; never raises (see module invariants)."""
+def execute_tool(
+    sandbox: Any, task: Task, call: dict[str, Any], timeout_s: float | None = None
+) -> ToolResult:
+    """Run one tool call in ``sandbox`` for ``task``; never raises (see module invariants). ``timeout_s``
+    shortens a command's time limit below the sandbox's (what is left of the session's wall time)."""
     parsed = parse_arguments(call)
     if isinstance(parsed, ToolResult):
         return parsed
@@ -137,11 +140,11 @@ def execute_tool(sandbox: Any, task: Task, call: dict[str, Any]) -> ToolResult:
     if name == "submit":
         return ToolResult(SUBMITTED, submitted=True)
     if name == "run_tests":
-        return _exec(sandbox, list(task.visible_test_command))
+        return _exec(sandbox, list(task.visible_test_command), timeout_s)
     if name == "run":
         if not args["command"].strip():
             return _err("run: command is empty; give a bash command like `python3 test_solution.py`")
-        return _exec(sandbox, ["bash", "-c", args["command"]])
+        return _exec(sandbox, ["bash", "-c", args["command"]], timeout_s)
     path = args["path"]
     if (msg := check_path(path)) is not None:
         return _err(f"{name}: {msg}")
