@@ -154,6 +154,17 @@ def test_escape_budget_is_shared_and_never_overdrawn():
     assert not budget.take(budget.left + 1) and budget.take(budget.left)
 
 
+def _dense_change(n: int, seed: int, ones: float, big: float) -> tuple[np.ndarray, np.ndarray]:
+    """bf16 weights and a dense change of them: a fraction ``ones`` of the elements one key step down or up
+    (half each), a fraction ``big`` by up to 5000 steps (escapes, many with raw bits), the rest unchanged."""
+    rng = np.random.default_rng(seed)
+    prev = bf16(rng.standard_normal(n).astype(np.float32) * 0.02)
+    pick = rng.random(n)
+    step = np.where(pick < ones / 2, 1, np.where(pick < ones, -1, 0))
+    step[pick >= 1 - big] = rng.integers(-5000, 5000, int((pick >= 1 - big).sum()))
+    return prev, _key_step(prev, step, 16)
+
+
 def _key_step(bits: np.ndarray, step: np.ndarray, width: int) -> np.ndarray:
     """Bit patterns moved by ``step`` in ordered-key space (wrapping at the key range's ends)."""
     sign, mask = 1 << (width - 1), (1 << width) - 1
@@ -439,12 +450,7 @@ def test_the_dense_histogram_from_quads_equals_the_one_from_listing_every_change
     from tandem.weights.blob import key_spec
     from tandem.weights.entropy import ALPHABET
 
-    rng = np.random.default_rng(3)
-    prev = bf16(rng.standard_normal(n).astype(np.float32) * 0.02)
-    pick = rng.random(n)
-    step = np.where(pick < 0.1, 1, np.where(pick < 0.2, -1, 0))
-    step[pick >= 0.9] = rng.integers(-5000, 5000, int((pick >= 0.9).sum()))
-    cur = _key_step(prev, step, 16)
+    prev, cur = _dense_change(n, seed=3, ones=0.2, big=0.1)
     spec = key_spec(prev.dtype)
     cap = n + 24
     idx, z = np.empty(cap, np.uint32), np.empty(cap, np.uint64)
@@ -470,12 +476,7 @@ def test_the_fused_quad_kernels_equal_the_step_by_step_path(n):
     from tandem.weights.codec import _chunk_part, _table_bits
     from tandem.weights.tables import Table
 
-    rng = np.random.default_rng(n)
-    prev = bf16(rng.standard_normal(n).astype(np.float32) * 0.02)
-    pick = rng.random(n)
-    step = np.where(pick < 0.3, 1, np.where(pick < 0.6, -1, 0))
-    step[pick >= 0.85] = rng.integers(-5000, 5000, int((pick >= 0.85).sum()))
-    cur = _key_step(prev, step, 16)
+    prev, cur = _dense_change(n, seed=n, ones=0.6, big=0.15)
     spec = key_spec(prev.dtype)
 
     quads = np.empty((n + 3) // 4, np.uint8)

@@ -41,6 +41,7 @@ from tandem.weights.entropy import (
     bw_add,
     golomb_remainder,
 )
+from tandem.weights.tables import put_varint
 
 
 @njit(**NJIT)
@@ -311,17 +312,6 @@ def _varint_len(v: int) -> int:
 
 
 @njit(**NJIT)
-def _put_varint(out: np.ndarray, pos: int, v: int) -> int:
-    """LEB128 ``v`` (the format of ``tandem.weights.tables.write_varint``) at ``out[pos]``; the next pos."""
-    while v >= 0x80:
-        out[pos] = (v & 0x7F) | 0x80
-        v >>= 7
-        pos += 1
-    out[pos] = v
-    return pos + 1
-
-
-@njit(**NJIT)
 def encode_quad_part(
     quads: np.ndarray, qenc: np.ndarray, esyms: np.ndarray, eenc: np.ndarray, ebits: np.ndarray, enbits: int
 ) -> np.ndarray:
@@ -341,12 +331,12 @@ def encode_quad_part(
         nqw, new = qbuf.shape[1] - qstart[j], ebuf.shape[1] - estart[j]
         size += _varint_len(nqw) + _varint_len(new) + 2 * (nqw + new)
     out = np.empty(size, np.uint8)
-    pos = _put_varint(out, 0, m)
+    pos = put_varint(out, 0, m)
     for j in range(LANES):
-        pos = _put_varint(out, pos, qbuf.shape[1] - qstart[j])
+        pos = put_varint(out, pos, qbuf.shape[1] - qstart[j])
     for j in range(LANES):
-        pos = _put_varint(out, pos, ebuf.shape[1] - estart[j])
-    pos = _put_varint(out, pos, enbits)
+        pos = put_varint(out, pos, ebuf.shape[1] - estart[j])
+    pos = put_varint(out, pos, enbits)
     for j in range(LANES):  # little-endian words (the machines numba targets are little-endian)
         row = qbuf[j, qstart[j] :].view(np.uint8)
         out[pos : pos + row.shape[0]] = row

@@ -247,7 +247,8 @@ def _read_decode_table(
 
 
 @njit(**NJIT)
-def _put_varint(buf: np.ndarray, k: int, v: int) -> int:
+def put_varint(buf: np.ndarray, k: int, v: int) -> int:
+    """LEB128 ``v`` (the format of ``write_varint``) at ``buf[k]``; returns the next position."""
     while v >= 0x80:
         buf[k] = (v & 0x7F) | 0x80
         v >>= 7
@@ -261,16 +262,16 @@ def _pack_table(freq: np.ndarray, buf: np.ndarray) -> int:
     """A table's serialized bytes into ``buf`` (symbol count, then per symbol its frequency; a zero is
     followed by the length of its zero run - 1; all varints); returns their count."""
     n = freq.shape[0]
-    k = _put_varint(buf, 0, n)
+    k = put_varint(buf, 0, n)
     i = 0
     while i < n:
         f = freq[i]
-        k = _put_varint(buf, k, f)
+        k = put_varint(buf, k, f)
         if f == 0:
             j = i
             while j + 1 < n and freq[j + 1] == 0:
                 j += 1
-            k = _put_varint(buf, k, j - i)
+            k = put_varint(buf, k, j - i)
             i = j
         i += 1
     return k
