@@ -60,6 +60,9 @@ def test_overrides_parse_toml_values(tmp_path):
         ("eval.temperature=0", "eval.temperature must be >= 0.001"),
         ("rollout.temperature=1e-40", "rollout.temperature must be >= 0.001"),
         ("orchestrator.time_budget_s=-1", "orchestrator.time_budget_s must be >= 0"),
+        ("rollout.harness_max_concurrent=0", "rollout.harness_max_concurrent"),
+        ("rollout.harness_max_sessions=100000", "rollout.harness_max_sessions"),
+        ("reward.terms=['1 * f3p_fraction']", "unknown component 'f3p_fraction'"),
     ],
 )
 def test_invalid_config_names_the_field(override, needle):
