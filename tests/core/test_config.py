@@ -62,6 +62,7 @@ def test_overrides_parse_toml_values(tmp_path):
         ("orchestrator.time_budget_s=-1", "orchestrator.time_budget_s must be >= 0"),
         ("rollout.harness_max_concurrent=0", "rollout.harness_max_concurrent"),
         ("rollout.harness_max_sessions=100000", "rollout.harness_max_sessions"),
+        ("rollout.harness_sampling=greedy", "rollout.harness_sampling"),
         ("reward.terms=['1 * f3p_fraction']", "unknown component 'f3p_fraction'"),
     ],
 )

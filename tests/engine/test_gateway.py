@@ -1082,6 +1082,40 @@ def test_tenant_keys_are_bounded_isolated_and_revoked(stack):
         assert [post(kc, "u").status_code for _ in range(3)] == [200, 200, 429]
 
 
+def test_a_rollout_key_is_sampled_at_the_runs_settings_whatever_it_asks(stack):
+    """A production harness may ask for temperature 0 or a fixed seed: a group of such sessions would be one
+    session G times, with no advantage to learn from. A rollout's key is served at the run's sampling."""
+    from tandem.engine.gateway.tenants import Sampling
+
+    engine, chat = stack
+    config = GatewayConfig(model_name="m", api_key="admin-key-0123456789")
+    app = create_app(engine, chat, chat.tokenizer, config)
+    key, plain = "tenant-s-0123456789abcdef", "tenant-p-0123456789abcdef"
+    tenant = app.state.gateway.tenants.add(key, "s", 4, 4, sampling=Sampling(0.7, 1.0, 5))
+    app.state.gateway.tenants.add(plain, "p", 4, 4)
+
+    def post(k, sid, **body):
+        body = {"messages": USER, **body}
+        headers = {"Authorization": f"Bearer {k}", "X-Tandem-Session": sid}
+        return httpx.post(srv.url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
+
+    def temps(k, sid):
+        r = httpx.get(f"{srv.url}/v1/tandem/sessions/{sid}", headers={"Authorization": f"Bearer {k}"})
+        segment = r.json()["segments"][0]
+        pairs = zip(segment["sampler_temperature"], segment["loss_mask"], strict=True)
+        return {round(t, 4) for t, m in pairs if m}
+
+    with GatewayServer(app).start() as srv:
+        r = post(key, "a", temperature=0, seed=7, max_tokens=50, ignore_eos=True)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 5  # the run's max tokens
+        assert temps(key, "a") == {0.7} and tenant.sampling_overridden == 1
+        r = post(key, "b", temperature=0.7, max_tokens=3)  # what the run samples anyway: not an override
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+        assert tenant.sampling_overridden == 1
+        assert post(plain, "c", temperature=0.5, max_tokens=4, ignore_eos=True).status_code == 200
+        assert temps(plain, "c") == {0.5}  # a key without a sampling: as it asks
+
+
 def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(http):
     """8 MiB of text took the gateway's event loop 6.5 s to tokenize before the context check refused it, and
     every other session on the gateway waited (a probe's harness held it for minutes)."""

@@ -63,12 +63,25 @@ def run_group(engine, command: list[str], wall_time_s: float = 60.0, n: int = 2,
     return asyncio.run(main())
 
 
+def test_a_harness_is_sampled_at_the_runs_temperature_unless_told_otherwise(engine) -> None:
+    """The example harness asks for temperature 1; a run at 0.8 samples its turns at 0.8 (and says so),
+    and with rollout.harness_sampling = "harness" at what the harness asks."""
+    for mode, expected in (("run", 0.8), ("harness", 1.0)):
+        _, group = run_group(engine, ["python3", str(HARNESS)], n=1, temperature=0.8, harness_sampling=mode)
+        t = group.trajectories[0]
+        assert not t.flags["harness_failed"] and t.flags["harness_sampling_overridden"] == (mode == "run")
+        seg = t.segments[0]
+        temps = np.ones(len(seg)) if seg.sampler_temperature is None else seg.sampler_temperature
+        assert {round(float(x), 4) for x in temps[seg.loss_mask > 0]} == {expected}, mode
+
+
 def test_openai_harness_rollouts_are_token_exact_and_graded(engine) -> None:
     task, group = run_group(engine, ["python3", str(HARNESS)])
     assert group.task_id == task.id and len(group.trajectories) == 2
     chat = load_chat_format(MODEL)
     for t in group.trajectories:
         assert not t.flags["harness_failed"] and not t.flags["no_requests"], t.reward.components
+        assert not t.flags["harness_sampling_overridden"]  # it asks for what the run samples: T=1, 192 tokens
         assert "tests_passed" in t.reward.components and 0.0 <= t.reward.value <= 1.0
         seg = t.segments[0]
         assert seg.num_sampled > 0

@@ -418,6 +418,13 @@ class RolloutConfig(Section):
     harness_max_sessions: int = Field(default=16, ge=1, le=4096)
     """Session ids one rollout's harness may name (429 for one more), so no rollout can make the gateway
     evict another's sessions."""
+    harness_sampling: Literal["run", "harness"] = "run"
+    """How an external harness's requests are sampled. "run": at this section's temperature, top_p and
+    max_new_tokens (an eval at eval.temperature) whatever the harness asks, without its seed, since the
+    policy gradient assumes samples from the policy at those settings and a harness that asks for
+    temperature 0 or a fixed seed would make a whole group one session (the metric
+    harness_sampling_overridden_frac counts rollouts whose requests were changed); "harness": as each
+    request asks (greedy turns are then trained as if sampled)."""
     harness_site_packages: bool = True
     """Also bind tandem's own site-packages read-only and put it on PYTHONPATH (so `import openai` works),
     with the task-data packages in it hidden."""

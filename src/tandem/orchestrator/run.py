@@ -459,6 +459,9 @@ def _step_row(step, version, groups, metrics, info, samples, samples_total, elap
         "snapshot_limited_frac": float(np.mean([t.flags.get("snapshot_limited", False) for t in trajs])),
         "harness_failed_frac": float(np.mean([t.flags.get("harness_failed", False) for t in trajs])),
         "no_requests_frac": float(np.mean([t.flags.get("no_requests", False) for t in trajs])),
+        "harness_sampling_overridden_frac": float(
+            np.mean([t.flags.get("harness_sampling_overridden", False) for t in trajs])
+        ),
         "sampled_tokens": int(sum(t.num_sampled for t in trajs)),
     }
     for k, v in metrics.items():

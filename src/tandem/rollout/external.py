@@ -8,8 +8,9 @@ door out, to a gateway (``tandem.engine.gateway``) that this worker serves on 12
 function, and runs the command in it with ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` (a random key of this
 rollout's own: a gateway tenant key, see ``tandem.engine.gateway.tenants``, allowed
 ``rollout.harness_max_concurrent`` requests in flight, ``rollout.harness_max_sessions`` sessions and the
-task's ``max_turns`` requests in all, and revoked as soon as the harness exits, which cancels what it still
-has in flight), ``TANDEM_SESSION`` (the session id the harness sends as ``X-Tandem-Session``) and
+task's ``max_turns`` requests in all, sampled at the run's settings unless ``rollout.harness_sampling`` is
+"harness", and revoked as soon as the harness exits, which cancels what it still has in flight),
+``TANDEM_SESSION`` (the session id the harness sends as ``X-Tandem-Session``) and
 ``TANDEM_TASK`` (the task's user prompt) in its environment and the workspace as its working directory. When
 the command ends, the workspace is graded exactly like a built-in session's (fresh sandbox, hidden tests) and
 the gateway's token-exact record of the session becomes the trajectory.
@@ -38,6 +39,7 @@ from typing import Any
 from tandem.core.config import RunConfig
 from tandem.core.generation import Completion, GenerationRequest
 from tandem.core.records import Task, Trajectory
+from tandem.engine.gateway.tenants import Sampling
 from tandem.env.harness import GenerateFn
 
 
@@ -89,7 +91,7 @@ class ExternalHarness:
     def close(self) -> None:
         self.server.stop()
 
-    def _run(self, task: Task, session_id: str) -> Trajectory:
+    def _run(self, task: Task, session_id: str, temperature: float | None) -> Trajectory:
         from tandem.env.external import run_external_session
 
         r = self.cfg.rollout
@@ -104,7 +106,13 @@ class ExternalHarness:
 
         tenants = self.app.state.gateway.tenants
         key = secrets.token_urlsafe(24)  # this rollout's own key, revoked once its harness has exited
-        tenants.add(key, session_id, r.harness_max_concurrent, r.harness_max_sessions, task.limits.max_turns)
+        sampling = None
+        if r.harness_sampling == "run":
+            temperature = r.temperature if temperature is None else temperature
+            sampling = Sampling(temperature, r.top_p, r.max_new_tokens)
+        tenant = tenants.add(
+            key, session_id, r.harness_max_concurrent, r.harness_max_sessions, task.limits.max_turns, sampling
+        )
         try:
             traj = run_external_session(
                 task,
@@ -120,11 +128,13 @@ class ExternalHarness:
             )
         finally:
             tenants.revoke(key)  # idempotent
+        traj.flags["harness_sampling_overridden"] = tenant.sampling_overridden > 0
         session = sessions.get(session_id)
         if session is not None:  # the outcome, for GET /v1/tandem/sessions/ID
             session.reward = traj.reward
         return traj
 
-    async def run_session(self, task: Task) -> Trajectory:
-        """One rollout of the external harness on ``task``."""
-        return await asyncio.to_thread(self._run, task, f"rollout-{uuid.uuid4().hex}")
+    async def run_session(self, task: Task, temperature: float | None = None) -> Trajectory:
+        """One rollout of the external harness on ``task`` (sampled at ``temperature``, default the run's
+        ``rollout.temperature``, when ``rollout.harness_sampling`` is "run")."""
+        return await asyncio.to_thread(self._run, task, f"rollout-{uuid.uuid4().hex}", temperature)

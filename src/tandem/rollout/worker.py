@@ -104,7 +104,7 @@ class RolloutWorker:
         n = self.cfg.rollout.group_size if group_size is None else group_size
         if self.cfg.rollout.harness_command:
             harness = self.external()
-            trajectories = await asyncio.gather(*(harness.run_session(task) for _ in range(n)))
+            trajectories = await asyncio.gather(*(harness.run_session(task, temperature) for _ in range(n)))
             return Group(task.id, list(trajectories))
         sessions = [
             run_session(

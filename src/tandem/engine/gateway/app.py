@@ -418,6 +418,8 @@ def create_app(
                 "messages",
             )
         req = parse_chat_request(body, max_n=cfg.max_n, max_tokens_limit=ctx, max_top_logprobs=top_lp)
+        if tenant is not None and tenant.sampling is not None and tenant.sampling.apply(req):
+            tenant.sampling_overridden += 1
         if req.top_p < 1.0 and not top_p_ok:
             raise ApiError(
                 400,

@@ -16,6 +16,12 @@ Invariants:
   in-flight slots free at once and engines drop what they have not started (``RequestFront`` skips cancelled
   requests). A probe's harness left 200 requests of ``n=8`` behind it: the gateway answered 429 to the next
   rollouts and the engine had 1592 sequences queued.
+- A tenant with a ``sampling`` (a training rollout's key, ``rollout.harness_sampling = "run"``) is served
+  at the run's temperature and top-p whatever its requests ask, with ``max_tokens`` at most the run's, no
+  ``seed`` and no ``ignore_eos``: the policy gradient and its importance ratios assume samples from the
+  policy at the run's settings, and a production harness that asks for ``temperature=0`` or a fixed seed
+  would otherwise make every session of a group the same (no advantage, nothing learned). Requests whose
+  settings it changed are counted (``sampling_overridden``).
 - The tenant's counters and future sets are touched only on the gateway's event loop; the key table is
   guarded by a lock. Keys are looked up by their SHA-256, never compared byte by byte.
 """
@@ -26,6 +32,30 @@ import asyncio
 import hashlib
 import threading
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a tenant's requests are sampled, whatever they ask (see module invariants)."""
+
+    temperature: float
+    top_p: float
+    max_tokens: int
+
+    def apply(self, req: Any) -> bool:
+        """Set ``req``'s (a ``ChatRequest``) sampling fields to these; True when any of them changed."""
+        max_tokens = self.max_tokens if req.max_tokens is None else min(req.max_tokens, self.max_tokens)
+        changed = (
+            req.temperature != self.temperature
+            or req.top_p != self.top_p
+            or req.seed is not None
+            or req.ignore_eos
+            or (req.max_tokens is not None and req.max_tokens > self.max_tokens)
+        )
+        req.temperature, req.top_p, req.max_tokens = self.temperature, self.top_p, max_tokens
+        req.seed, req.ignore_eos = None, False
+        return changed
 
 
 @dataclass(eq=False)
@@ -36,6 +66,8 @@ class Tenant:
     max_in_flight: int
     max_sessions: int
     max_requests: int | None = None  # chat requests in all (None: no limit)
+    sampling: Sampling | None = None  # served at these settings (None: as each request asks)
+    sampling_overridden: int = 0  # requests whose sampling settings ``sampling`` changed
     requests: int = 0
     in_flight: int = 0
     sessions: set[str] = field(default_factory=set)
@@ -60,7 +92,13 @@ class Tenants:
         return len(self._by_digest)
 
     def add(
-        self, key: str, name: str, max_in_flight: int, max_sessions: int, max_requests: int | None = None
+        self,
+        key: str,
+        name: str,
+        max_in_flight: int,
+        max_sessions: int,
+        max_requests: int | None = None,
+        sampling: Sampling | None = None,
     ) -> Tenant:
         """Register ``key`` (a random token, at least 16 characters) for a client named ``name``."""
         if len(key) < 16:
@@ -70,7 +108,7 @@ class Tenants:
                 f"max_in_flight={max_in_flight}, max_sessions={max_sessions} and max_requests={max_requests} "
                 "must be >= 1"
             )
-        tenant = Tenant(name, max_in_flight, max_sessions, max_requests)
+        tenant = Tenant(name, max_in_flight, max_sessions, max_requests, sampling)
         with self._lock:
             if _digest(key) in self._by_digest:
                 raise ValueError(f"tenant key of {name!r} is already registered")
