@@ -82,3 +82,17 @@ def test_format_output() -> None:
     assert format_output("", "", 0) == "[exit 0]"
     assert format_output("a\n", "b\n", 1) == "a\nb\n[exit 1]"
     assert format_output("x", "", 124, timed_out=True) == "x\n[timed out]"
+
+
+def test_failed_file_calls_do_not_show_the_sandboxs_host_path(sb, task) -> None:
+    """The OS's error names the host path of the workspace (``/dev/shm/tandem-sbx-...``): the agent gets
+    its own path and the reason only, the same observation in every sandbox."""
+    calls = [
+        {"name": "write_file", "arguments": {"path": "solution.py/x.py", "content": "1"}},
+        {"name": "write_file", "arguments": {"path": "a" * 300, "content": "x"}},
+        {"name": "read_file", "arguments": {"path": "b" * 300}},
+    ]
+    for call in calls:
+        r = execute_tool(sb, task, call)
+        assert r.error and call["arguments"]["path"] in r.content, r.content
+        assert str(sb.workdir) not in r.content and "/dev/shm" not in r.content, r.content

@@ -166,5 +166,7 @@ def execute_tool(
         return _err(f"{name}: no file {path!r} in the workspace")
     except IsADirectoryError:
         return _err(f"{name}: {path!r} is a directory, not a file")
+    except OSError as e:  # its strerror only: str(e) would show the sandbox's host path to the agent
+        return _err(f"{name} {path!r} failed: {type(e).__name__}: {e.strerror or 'error'}")
     except Exception as e:  # noqa: BLE001 - any sandbox error becomes an observation
         return _err(f"{name} {path!r} failed: {type(e).__name__}: {e}")
