@@ -497,15 +497,23 @@ def test_stream_failures_and_disconnects_release_the_session(stack, http):
         assert httpx.get(srv.url + "/v1/tandem/sessions/slow").status_code == 404  # nothing committed
     finally:
         srv.stop()
-    raw = {"messages": USER, "max_tokens": 100, "stream": True, "ignore_eos": True, "tool_choice": "none"}
+    engine, _ = stack
+    cancelled, gone = engine.stats()["cancelled"], http.get("/health").json()["counters"]["disconnected"]
+    raw = {"messages": USER, "max_tokens": 400, "stream": True, "ignore_eos": True, "tool_choice": "none"}
     with http.stream("POST", "/v1/chat/completions", json=raw, headers={"X-Tandem-Session": "gone"}) as r:
         next(r.iter_lines())  # the client reads one chunk and hangs up mid-generation
-    while http.get("/health").json()["in_flight"]:  # the producer finishes the turn on its own
-        time.sleep(0.05)
+    _wait_in_flight(str(http.base_url).rstrip("/"), False)
+    deadline = time.monotonic() + 30
+    while (engine.health()["active"] or engine.health()["queued"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.stats()["cancelled"] == cancelled + 1  # stopped, not generated to its 400 tokens
+    assert http.get("/health").json()["counters"]["disconnected"] == gone + 1
+    assert http.get("/v1/tandem/sessions/gone").status_code == 404  # nobody saw the turn: not recorded
     again = http.post(
         "/v1/chat/completions", json={**raw, "stream": False}, headers={"X-Tandem-Session": "gone"}
     )
-    assert again.status_code == 200 and "truncated" in again.json()["tandem"]["new_segment_reason"]
+    tandem = again.json()["tandem"]  # the session's first segment: no turn of the stream in it
+    assert again.status_code == 200 and tandem["segment"] == 0 and tandem["new_segment_reason"] is None
 
 
 def test_content_stream_holds_back_split_characters(stack):
@@ -584,6 +592,31 @@ BAD = [
         {"messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
         "tool_choice",
     ),
+    *(  # unhashable names had raised TypeError: 500
+        (
+            {"messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": v}}},
+            "tool_choice",
+        )
+        for v in (["f"], {})
+    ),
+    *(
+        (
+            {
+                "messages": USER,
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"x": {}}, "required": [v]},
+                        },
+                    }
+                ],
+            },
+            "tools[0].function.parameters.required",
+        )
+        for v in ([1], {}, 3)
+    ),  # fmt: skip
     ({"messages": [{"role": "user", "content": "word " * 3000}]}, "messages"),
     ({"messages": USER, "max_tokens": 0}, "max_tokens"),
     ({"messages": USER, "max_tokens": 5000}, "max_tokens"),
@@ -731,6 +764,9 @@ def test_default_bind_is_loopback_and_open_bind_needs_a_key():
     with pytest.raises(ValidationError, match="api_key"):
         GatewayConfig(host="0.0.0.0")
     assert GatewayConfig(host="0.0.0.0", api_key="k").api_key == "k"
+    for key in ("clé-secret", " padded", "two words", "tab\tkey"):  # could never match a header
+        with pytest.raises(ValidationError, match="printable ASCII"):
+            GatewayConfig(api_key=key)
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.com")
     with pytest.raises(ValidationError, match="finite number"):
@@ -1018,6 +1054,24 @@ def test_a_chunked_body_over_the_limit_is_refused_before_it_ends(stack):
         srv.stop()
 
 
+def test_a_body_that_never_ends_gets_408_and_frees_its_slot(stack):
+    """A probe's four clients sent headers and six bytes of a 100-byte body, then nothing: every other
+    request got 429 for as long as they stayed connected."""
+    srv = _server(stack, body_timeout_s=0.5, max_concurrent=1)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as sock:
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(head + b"Content-Length: 100\r\n\r\n" + b'{"mess')
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                answer += sock.recv(4096) or pytest.fail(f"connection closed: {answer!r}")
+            assert answer.startswith(b"HTTP/1.1 408"), answer
+            ok = httpx.post(srv.url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 1})
+            assert ok.status_code == 200  # the one slot is free again, with the slow client still connected
+    finally:
+        srv.stop()
+
+
 def test_tenant_keys_are_bounded_isolated_and_revoked(stack):
     """Each external-harness rollout gets a tenant key: its own in-flight and session limits, no access to
     another tenant's sessions, and revoking it cancels what it has in flight. A probe's harness had left 200
@@ -1058,12 +1112,15 @@ def test_tenant_keys_are_bounded_isolated_and_revoked(stack):
                 )
 
         cancelled_before = engine.stats()["cancelled"]
+        rejected = app.state.gateway.counters["rejected_429"]
         results: list[httpx.Response] = []
         runner = threading.Thread(target=lambda: results.extend(asyncio.run(flood(ka, 5))))
         t0 = time.monotonic()
         runner.start()
         deadline = time.monotonic() + 30
-        while engine.health()["queued"] < 8 and time.monotonic() < deadline:  # 16 running, the rest queued
+        while time.monotonic() < deadline and (  # 16 running, 16 queued, the fifth answered 429
+            engine.health()["queued"] < 16 or app.state.gateway.counters["rejected_429"] == rejected
+        ):
             time.sleep(0.02)
         tenants.revoke(ka)
         runner.join(60)
@@ -1080,6 +1137,22 @@ def test_tenant_keys_are_bounded_isolated_and_revoked(stack):
         kc = "tenant-c-0123456789abcdef"
         tenants.add(kc, "c", max_in_flight=4, max_sessions=2, max_requests=2)  # a rollout's turns
         assert [post(kc, "u").status_code for _ in range(3)] == [200, 200, 429]
+        kd = "tenant-d-0123456789abcdef"
+        tenants.add(kd, "d", max_in_flight=2, max_sessions=8)  # streams hold the key's slots to their end
+
+        headers = {"Authorization": f"Bearer {kd}"}
+        body = {"messages": USER, "max_tokens": 1000, "ignore_eos": True, "stream": True, "n": 8}
+        c1, c2 = httpx.Client(base_url=srv.url, timeout=120), httpx.Client(base_url=srv.url, timeout=120)
+        with c1, c2:
+            with c1.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r1:
+                lines1 = r1.iter_lines()  # kept: a dropped iterator closes the connection (a hang-up)
+                next(lines1)  # streaming: its request has returned, its generation runs on
+                with c2.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r2:
+                    lines2 = r2.iter_lines()
+                    next(lines2)
+                    third = post(kd, "d3", max_tokens=1)
+                    assert third.status_code == 429, third.text
+                    assert "at most 2 at once" in third.json()["error"]["message"]
 
 
 def test_a_rollout_key_is_sampled_at_the_runs_settings_whatever_it_asks(stack):
@@ -1119,7 +1192,7 @@ def test_a_rollout_key_is_sampled_at_the_runs_settings_whatever_it_asks(stack):
 def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(http):
     """8 MiB of text took the gateway's event loop 6.5 s to tokenize before the context check refused it, and
     every other session on the gateway waited (a probe's harness held it for minutes)."""
-    from tandem.engine.gateway.app import prompt_chars
+    from tandem.engine.gateway.prefilter import prompt_chars
 
     huge = {"messages": [{"role": "user", "content": "abc " * 1_000_000}], "max_tokens": 1}
     r = http.post("/v1/chat/completions", json=huge)
@@ -1132,3 +1205,35 @@ def test_text_that_cannot_fit_the_context_is_refused_before_it_is_tokenized(http
                              {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
             "tools": [tool]}  # fmt: skip
     assert prompt_chars(body) == len("hi") + len("f{}") + len("f") + len("does f") + len("x")  # as rendered
+
+
+def test_many_small_messages_are_refused_before_they_are_tokenized(stack, http):
+    """200 000 empty messages (6.6 MB) hold no characters, and were rendered and tokenized on the event loop
+    (2.9 s, every session waiting) before the context check refused them. The floor counts the template's
+    tokens per message, tool call and tool, and never exceeds what a request really renders to."""
+    from tandem.engine.gateway.prefilter import PromptFloor
+    from tandem.engine.gateway.protocol import parse_chat_request
+
+    _, chat = stack
+    for body in (
+        {"messages": [{"role": "user", "content": ""}] * 200_000},
+        {"messages": [*USER, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "a", "arguments": "{}"}}] * 50_000}]},
+    ):  # fmt: skip
+        r = http.post("/v1/chat/completions", json={**body, "max_tokens": 1})
+        assert r.status_code == 400 and "need at least" in r.json()["error"]["message"], r.text[:300]
+    floor = PromptFloor(chat, chat.tokenizer)
+    assert floor.per_message > 0 and floor.per_call > 0 and floor.per_tool > 0
+    call = {"id": "c1", "type": "function", "function": {"name": "run", "arguments": '{"command": "ls"}'}}
+    bodies = [
+        {"messages": USER},
+        {"messages": task_messages(0), "tools": TOOLS},
+        {"messages": [*task_messages(1), {"role": "assistant", "content": "", "tool_calls": [call, call]},
+                      {"role": "tool", "content": "a.py", "tool_call_id": "c1"},
+                      {"role": "tool", "content": "", "tool_call_id": "c1"}], "tools": TOOLS},
+        {"messages": [{"role": "system", "content": "x"}, *USER,
+                      {"role": "assistant", "content": "y" * 300}]},
+    ]  # fmt: skip
+    for body in bodies:
+        req = parse_chat_request(body, max_n=1, max_tokens_limit=CTX)
+        assert 0 < floor.tokens(body) <= len(chat.render_prompt(req.messages, req.tools)), body

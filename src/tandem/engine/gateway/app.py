@@ -9,11 +9,14 @@ Invariants:
   are 500/503/504 answers, counted the same way. An unexpected exception (a bug) is logged and answered 500
   by ``_CatchAll`` without dropping the connection (Starlette's own handler re-raises, and the server then
   closes the keep-alive connection).
-- Request bodies are read up to ``max_body_bytes`` and no further (413 as soon as a chunked body passes it)
+- Request bodies are read up to ``max_body_bytes`` and no further (413 as soon as a chunked body passes it),
+  within ``body_timeout_s`` (408 after it: a probe's four clients that never finished their bodies held
+  every slot, and everyone else got 429)
   and decoded strictly (``protocol.decode_json``: no lone surrogates, no non-finite numbers, anywhere)
   before any route looks at them, so nothing generated, stored or served later can fail on them. A chat
-  request whose rendered text (``prompt_chars``) exceeds the context times the longest token's characters
-  is refused (400, ``messages``) before anything is tokenized.
+  request that needs at least the context's tokens (``prefilter.PromptFloor``: its rendered text over the
+  longest token's characters, plus the template's fewest tokens per message, tool call and tool) is
+  refused (400, ``messages``) before anything is tokenized.
 - With ``config.api_key`` set, every ``/v1`` route needs ``Authorization: Bearer <key>`` (401 otherwise,
   constant-time comparison); ``/health`` stays open. Tenant keys (``state.gateway.tenants``, see
   ``tandem.engine.gateway.tenants``) are accepted too, each with its own limits and sessions; once a key
@@ -28,9 +31,11 @@ Invariants:
   (engines drop queued ones and the built-in engine stops running ones) and is not recorded (both answered
   499 to nobody and counted as ``disconnected``): a harness that timed out and retried left the abandoned
   generations running before.
-- ``stream: true``: the answer is produced by its own task (it holds the session lock and an in-flight slot
-  until generation ends and the record is committed, whether or not the client keeps reading: a stream
-  whose client hangs up mid-generation is still recorded, as its turn was partly sent); content
+- ``stream: true``: the answer is produced by its own task (it holds the session lock and its in-flight
+  slots, the gateway's and its tenant's, until generation ends and the record is committed, however slowly
+  the client reads; a stream whose client hangs up before its last chunk has its generations cancelled and
+  is not recorded, counted as ``disconnected``: a probe's abandoned ``max_tokens=1000`` streams had kept
+  the engine busy to their end, and its tenant's streams had not counted against the key's limit); content
   chunks go out as the engine samples tokens when the engine has ``streams_tokens`` (``submit(...,
   on_tokens=...)``, fed to this event loop with ``call_soon_threadsafe``), else all at the end. Bad input is
   still a 4xx answer (checked before the stream starts); a failure after it started is an ``error`` event.
@@ -56,6 +61,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tandem.core.generation import ChatFormat, Completion, GenerationRequest, SamplingParams
 from tandem.engine.gateway.config import GatewayConfig
 from tandem.engine.gateway.forcing import ForcingUnsupported, forced_prefix
+from tandem.engine.gateway.prefilter import PromptFloor, prompt_chars, prompt_parts
 from tandem.engine.gateway.protocol import (
     BadRequest,
     ChatRequest,
@@ -164,59 +170,6 @@ class _State:
         }
 
 
-def longest_token_chars(tokenizer: Any) -> int | None:
-    """An upper bound on the characters of text one token stands for: its longest vocabulary entry (a
-    byte-level entry has a character per byte, and a character takes at least one byte); None when the
-    tokenizer does not list its vocabulary."""
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else None
-    return max(8, max(map(len, vocab), default=0)) if vocab else None
-
-
-def _strings(value: Any) -> int:
-    """Characters in every string of a decoded JSON value (iterative: JSON nests deep)."""
-    total, stack = 0, [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            total += len(v)
-        elif isinstance(v, dict):
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return total
-
-
-def prompt_chars(body: Any) -> int:
-    """A lower bound on the characters the chat template renders from a request body: message contents (text
-    parts), tool calls' names and arguments, and each tool's name, parameter names and description (what
-    ``tandem.model.chat.tool_line`` shows). Counted before anything is tokenized."""
-    if not isinstance(body, dict):
-        return 0
-    total = 0
-    for m in body.get("messages") if isinstance(body.get("messages"), list) else []:
-        if not isinstance(m, dict):
-            continue
-        content = m.get("content")
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(
-                len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-            )
-        for call in m.get("tool_calls") if isinstance(m.get("tool_calls"), list) else []:
-            fn = call.get("function") if isinstance(call, dict) else None
-            if isinstance(fn, dict):
-                total += _strings(fn.get("name")) + _strings(fn.get("arguments"))
-    for tool in body.get("tools") if isinstance(body.get("tools"), list) else []:
-        fn = tool.get("function", tool) if isinstance(tool, dict) else None
-        if isinstance(fn, dict):
-            params = fn.get("parameters")
-            props = params.get("properties") if isinstance(params, dict) else None
-            total += _strings(fn.get("name")) + _strings(fn.get("description"))
-            total += sum(len(k) for k in props) if isinstance(props, dict) else 0
-    return total
-
-
 def create_app(
     engine: Engine, chat_format: ChatFormat, tokenizer: Any, config: GatewayConfig | None = None
 ) -> FastAPI:
@@ -224,8 +177,7 @@ def create_app(
     cfg = config or GatewayConfig()
     model_name = cfg.model_name or "tandem"
     ctx = context_length(engine)
-    longest = longest_token_chars(tokenizer)
-    max_chars = None if longest is None else ctx * longest  # more text than this cannot fit ``ctx`` tokens
+    floor = PromptFloor(chat_format, tokenizer)
     end_of_turn = int(chat_format.stop_token_ids[0])
     top_lp = int(getattr(engine, "max_top_logprobs", 0))
     top_p_ok = bool(getattr(engine, "supports_top_p", True))
@@ -244,6 +196,7 @@ def create_app(
             400: "bad_request",
             413: "bad_request",
             401: "unauthorized",
+            408: "timeout",
             429: "rejected_429",
             499: "disconnected",
         }.get(e.status)
@@ -336,15 +289,24 @@ def create_app(
         return s
 
     async def _json_body(request: Request) -> Any:
-        """The body, read up to ``max_body_bytes`` and no further (413), decoded by ``decode_json``."""
+        """The body, read up to ``max_body_bytes`` and no further (413) within ``body_timeout_s`` (408),
+        decoded by ``decode_json``."""
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > cfg.max_body_bytes:
             raise ApiError(413, f"request body of {length} bytes exceeds max_body_bytes={cfg.max_body_bytes}")
         raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > cfg.max_body_bytes:  # a chunked body: stop reading here
-                raise ApiError(413, f"request body exceeds max_body_bytes={cfg.max_body_bytes}")
+        try:
+            async with asyncio.timeout(cfg.body_timeout_s):  # a body that never ends held its slot for good
+                async for chunk in request.stream():
+                    raw += chunk
+                    if len(raw) > cfg.max_body_bytes:  # a chunked body: stop reading here
+                        raise ApiError(413, f"request body exceeds max_body_bytes={cfg.max_body_bytes}")
+        except TimeoutError:
+            raise ApiError(
+                408,
+                f"the request body did not arrive within body_timeout_s={cfg.body_timeout_s} s "
+                f"({len(raw)} bytes came); send the whole body at once",
+            ) from None
         return decode_json(bytes(raw))
 
     def _header_session(request: Request) -> str | None:
@@ -408,13 +370,13 @@ def create_app(
 
     async def _chat(request: Request, tenant: Tenant | None) -> Any:
         body = await _json_body(request)
-        chars = prompt_chars(body)
-        if max_chars is not None and chars > max_chars:  # before tokenizing: 8 MiB took the loop 6.5 s
+        need = floor.tokens(body)
+        if need >= ctx:  # before tokenizing: 8 MiB took the loop 6.5 s, 200 000 empty messages 2.9 s
             raise ApiError(
                 400,
-                f"the messages and tools hold {chars} characters, more than the model's context of {ctx} "
-                f"tokens can take (at most {max_chars}: no token stands for more than {longest} characters); "
-                "shorten the messages or start a new session",
+                f"the messages and tools need at least {need} tokens ({prompt_chars(body)} characters and "
+                f"{sum(prompt_parts(body))} messages, tool calls and tools), more than the model's context "
+                f"of {ctx} tokens can take; shorten the messages or start a new session",
                 "messages",
             )
         req = parse_chat_request(body, max_n=cfg.max_n, max_tokens_limit=ctx, max_top_logprobs=top_lp)
@@ -450,13 +412,15 @@ def create_app(
                 out: asyncio.Queue[str | None] = asyncio.Queue()
                 tokens: asyncio.Queue[tuple[int, list[int] | None]] = asyncio.Queue()
                 futures = _submit(prompt, req, tokens, tenant)
-                st.in_flight += 1  # released by the producer when the stream is complete
+                st.in_flight += 1  # both released by the producer when the stream is complete
+                if tenant is not None:
+                    tenant.in_flight += 1
                 job = _produce(req, forced, futures, tokens, builder, session, plan, out, tenant)
                 task = asyncio.create_task(job)
                 st.tasks.add(task)
                 task.add_done_callback(st.tasks.discard)
                 owned = False
-                return StreamingResponse(_drain(out), media_type="text/event-stream")
+                return StreamingResponse(_drain(out, task), media_type="text/event-stream")
             t0 = time.perf_counter()
             futures = _submit(prompt, req, None, tenant)
             turns, finishes = await _collect(futures, req, forced, tenant, request)
@@ -637,10 +601,21 @@ def create_app(
             if session is not None:
                 st.sessions.release(session)  # forgets it when its first request failed
             st.in_flight -= 1
+            if tenant is not None:
+                tenant.in_flight -= 1
             out.put_nowait(None)
 
-    async def _drain(out: asyncio.Queue[str | None]) -> AsyncIterator[str]:
-        while (chunk := await out.get()) is not None:
-            yield chunk
+    async def _drain(out: asyncio.Queue[str | None], producer: asyncio.Task) -> AsyncIterator[str]:
+        """The stream's chunks. A client that hangs up before the last one (Starlette then cancels this
+        generator) has its producer cancelled: generations stopped, nothing recorded."""
+        complete = False
+        try:
+            while (chunk := await out.get()) is not None:
+                yield chunk
+            complete = True
+        finally:
+            if not complete and not producer.done():
+                st.counters["disconnected"] += 1
+                producer.cancel()
 
     return app

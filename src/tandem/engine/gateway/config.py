@@ -37,7 +37,7 @@ class GatewayConfig(BaseModel):
     """TCP port to listen on (0 picks a free one)."""
     api_key: str | None = None
     """When set, every /v1 request must carry `Authorization: Bearer <api_key>` (401 otherwise). /health
-    stays open. Required when `host` is not a loopback address."""
+    stays open. Printable ASCII without spaces. Required when `host` is not a loopback address."""
     model_name: str | None = None
     """Model id reported by /v1/models and in responses (default: the model directory's name). Requests may
     name any model: the gateway serves exactly one."""
@@ -57,6 +57,9 @@ class GatewayConfig(BaseModel):
     """Tokens sampled per choice when a request names no `max_tokens` (clamped to the context left)."""
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     """Largest request body accepted, in bytes (413 beyond it)."""
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    """Seconds a client has to send its whole request body (408 after it), so a client that never finishes
+    one does not hold an in-flight slot for good."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """A generation that takes longer than this gets 504 (the engine keeps serving other requests)."""
 
@@ -70,4 +73,9 @@ class GatewayConfig(BaseModel):
             )
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty; pass a non-empty key or leave it unset")
+        if self.api_key is not None and not all("!" <= c <= "~" for c in self.api_key):
+            raise ValueError(
+                "api_key must be printable ASCII without spaces (clients send it in an HTTP header, where "
+                "other characters do not arrive as typed, so the key could never match); pick another key"
+            )
         return self

@@ -337,7 +337,7 @@ def parse_tools(value: Any) -> list[dict[str, Any]]:
                 f"{pp}.properties must map argument names to JSON Schema objects", f"{pp}.properties"
             )
         required = params.get("required", [])
-        if not isinstance(required, list) or any(r not in props for r in required):
+        if not isinstance(required, list) or any(not isinstance(r, str) or r not in props for r in required):
             raise BadRequest(f"{pp}.required must list names defined in properties", f"{pp}.required")
         tools.append(
             {"type": "function", "function": {"name": name, "description": desc, "parameters": params}}
@@ -359,7 +359,7 @@ def _tool_choice(value: Any, tools: list[dict[str, Any]]) -> str | dict[str, Any
         and isinstance(value.get("function"), dict)
     ):
         name = value["function"].get("name")
-        if name not in names:
+        if not isinstance(name, str) or name not in names:
             raise BadRequest(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
         return {"type": "function", "function": {"name": name}}
     raise BadRequest(
