@@ -23,7 +23,7 @@ from tandem.weights.blob import (
 from tandem.weights.bound import entropy_bound_bits
 from tandem.weights.codec import CHUNK_LOG2, encode_tensor, key_spec
 from tandem.weights.decoder import TensorDecoder, decode_tensor
-from tandem.weights.entropy import ALPHABET, bucket
+from tandem.weights.entropy import ALPHABET, bucket, golomb_params
 from tandem.weights.kernels import GAP_GOLOMB, GAP_TABLE, QUAD_ALPHABET, escape_positions, quad_scan
 
 SPECIALS = [np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -1e-40, 65504.0, -1.0]
@@ -426,18 +426,16 @@ def test_changed_positions_are_decoded_without_the_base_in_every_mode():
     for prev, cur in cases:
         blob = encode_tensor(prev, cur)
         modes.add(mode_of(blob))
-        np.testing.assert_array_equal(changed_positions(blob, "w"), np.flatnonzero(prev != cur))
+        np.testing.assert_array_equal(changed_positions(blob, "w", prev.size), np.flatnonzero(prev != cur))
     assert {SPARSE, QUAD, DENSE, IDENT} <= modes, [MODE_NAMES[m] for m in modes]
-    assert (
-        changed_positions(encode_tensor(*[rng.integers(0, 2**16, 5000, dtype=np.uint16) for _ in "ab"]))
-        is None
-    )
+    noise = encode_tensor(*[rng.integers(0, 2**16, 5000, dtype=np.uint16) for _ in "ab"])
+    assert changed_positions(noise, "w", 5000) is None
     prev, cur = cases[0]
     bad = bytearray(encode_tensor(prev, cur))
     bad[40] ^= 0x10  # behind a valid checksum: the streams no longer end where the encoder left them
     bad[-4:] = zlib.crc32(bad[:-4]).to_bytes(4, "little")
     with pytest.raises(CorruptDeltaError, match="'w'"):
-        changed_positions(bytes(bad), "w")
+        changed_positions(bytes(bad), "w", prev.size)
 
 
 @pytest.mark.parametrize("n", [4096 + 3, 10_000])
@@ -570,3 +568,58 @@ def test_run_tasks_keeps_one_pool_per_thread_and_priority_and_waits_for_every_ta
     with pytest.raises(RuntimeError, match="task failed"):
         run_tasks([fail] + [lambda i=i: slow(i) for i in range(3)], 2)
     assert sorted(done) == [0, 1, 2]  # none still running when the error reached the caller
+
+
+def _varint(v: int) -> bytes:
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    return bytes(out + bytes([v]))
+
+
+def _forged_sparse(numel: int, m: int, quotient_ones: int, remainder: int) -> bytes:
+    """A sparse fp32 blob of one change whose Golomb-coded gap is ``quotient_ones`` ones, a zero and the
+    ``remainder`` in truncated binary, sealed with a valid checksum (a malicious or broken publisher)."""
+    body = bytearray([0xD1, 1, 1]) + _varint(1) + _varint(numel) + _varint(1)  # sparse, fp32, shape [numel]
+    body += bytes([GAP_GOLOMB]) + _varint(m)
+    body += _varint(2) + _varint(0) + _varint(0) + _varint(16384) + bytes([20])  # diff table, chunk 2**20
+    b = (m - 1).bit_length()
+    bits = [1] * quotient_ones + [0] + [(remainder >> 1 >> j) & 1 for j in range(b - 1)] + [remainder & 1]
+    body += _varint(1) + _varint(0) + _varint(2) + _varint(len(bits))  # one change, gap and diff words, bits
+    body += (0x8000).to_bytes(2, "little") + bytes(2)  # the diff stream's final state: never renormalises
+    body += bytes(sum(x << i for i, x in enumerate(bits[k : k + 8])) for k in range(0, len(bits), 8))
+    return bytes(body) + zlib.crc32(bytes(body)).to_bytes(4, "little")
+
+
+@pytest.mark.parametrize("g0", [0, 1_000_000, 1 << 40])
+def test_a_forged_golomb_gap_is_refused_not_written_out_of_bounds(g0):
+    """A red-team probe's blob (valid checksum) with Golomb parameter 2**59: the gap overflowed int64, the
+    position came out negative and passed ``last >= size``, and the decoder wrote ``g0`` elements past the
+    tensor (a segfault, or ``verified: True`` after writing past the buffer). It is refused instead."""
+    from tandem.weights.decoder import changed_positions
+
+    prev = np.zeros(1000, np.float32)
+    blob = _forged_sparse(1000, 1 << 59, 24, g0)
+    with pytest.raises(CorruptDeltaError, match="Golomb parameter"):
+        decode_tensor(prev, blob, "w")
+    with pytest.raises(CorruptDeltaError, match="Golomb parameter"):
+        TensorDecoder("w", prev, blob, prepare=True)
+    with pytest.raises(CorruptDeltaError):
+        changed_positions(blob, "w", 1000)
+    for m in (1000, 7):  # a valid parameter: a gap past the tensor is refused by the decoder's own check
+        with pytest.raises(CorruptDeltaError):
+            decode_tensor(prev, _forged_sparse(1000, m, 24 * 50, 0), "w")
+    assert golomb_params(2**62 + 1)[0] == 62  # had looped forever (``1 << 63`` wraps negative)
+
+
+def test_changed_positions_sizes_its_output_by_the_tensor_not_the_blob():
+    """A 40-byte dense blob claiming 2**30 elements decoded them all (9 s, 1.2 GB), 2**40 raised
+    MemoryError: the engine's catch-up path now names the tensor's own size and refuses a mismatch."""
+    from tandem.weights.decoder import changed_positions
+
+    prev, cur = adam_like(5000, 2e-6, "bf16")
+    blob = encode_tensor(prev, cur)
+    np.testing.assert_array_equal(changed_positions(blob, "w", 5000), np.flatnonzero(prev != cur))
+    with pytest.raises(CorruptDeltaError, match="5000 elements, the tensor has 5001"):
+        changed_positions(blob, "w", 5001)

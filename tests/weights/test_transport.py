@@ -286,3 +286,112 @@ def test_bad_numbers_are_400_or_ignored_ranges_never_500(tmp_path):
         assert "status_500" not in json.loads(get(server.url, "/v1/weights/stats")[1])
     with pytest.raises(ValueError, match="finite"):
         TokenBucket(float("inf"))
+
+
+class _Liar:
+    """An upstream on 127.0.0.1 that answers each path with what ``routes`` says: (status, headers, body),
+    where a body of None is endless (chunked, until the client hangs up)."""
+
+    def __init__(self, routes):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                status, headers, body = routes.get(self.path, (404, {}, b'{"error": "no"}'))
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                if body is None:
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    chunk = b"%x\r\n%s\r\n" % (1 << 16, b" " * (1 << 16))
+                    try:
+                        while True:
+                            self.wfile.write(chunk)
+                    except OSError:
+                        return
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_what_a_lying_upstream_sends_is_bounded_and_checked(tmp_path):
+    """A red-team probe's upstream made a relay read an endless manifest (2.9 GB in 4 s), crash at start on
+    ``{"version": [1]}``, and cache a manifest of version 2 as version 1 for good."""
+    from tandem.weights.client import MAX_SMALL_BYTES
+    from tandem.weights.relay import Relay
+
+    store, manifest, _ = make_store(tmp_path / "s", {"a": 5000})
+    good = store.manifest_bytes(0)
+    other = json.loads(good)
+    other["version"] = 2
+    liar = _Liar(
+        {
+            "/v1/weights/latest": (200, {}, b'{"version": [1]}'),
+            "/v1/weights/manifests/0": (200, {}, json.dumps(other).encode()),
+            "/v1/weights/manifests/1": (200, {}, None),
+        }
+    )
+    try:
+        with WeightClient([liar.url], retries=0) as client:
+            with pytest.raises(TransportError, match="non-negative integer"):
+                client.latest()
+            with pytest.raises(TransportError, match=f"more than {MAX_SMALL_BYTES} bytes"):
+                client.manifest_bytes(1)
+            with pytest.raises(TransportError, match="manifest v2 for v0"):
+                client.manifest(0)
+            with pytest.raises(TransportError, match="at most"):
+                client.fetch_keys({"0" * 64: 10**15})
+        relay = Relay([liar.url], tmp_path / "cache")
+        try:
+            with WeightClient([relay.url], retries=0) as client:
+                with pytest.raises(TransportError):
+                    client.manifest(0)
+        finally:
+            relay.close()
+    finally:
+        liar.close()
+    honest = serve_store(WeightStore.open(tmp_path / "s"))
+    relay = Relay([honest.url], tmp_path / "cache")  # the same cache: nothing of the liar's was kept
+    try:
+        with WeightClient([relay.url], retries=0) as client:
+            assert client.manifest(0).version == 0 and client.manifest_bytes(0) == good
+    finally:
+        relay.close()
+        honest.close()
+
+
+def test_a_store_manifest_naming_another_version_is_refused_not_followed(tmp_path):
+    """Manifest files whose bodies name other versions (v4 says 9 with parent 5, v5 says 8 with parent 4)
+    made ``plan`` and ``gc`` loop forever, growing."""
+    from tandem.weights.errors import ManifestError
+
+    store = WeightStore.open(tmp_path / "s", create=True)
+    for v in range(6):
+        parent, kind = (None, "full") if v == 0 else (v - 1, "delta")
+        store.publish(v, parent, kind, f"h{v}", {"x": os.urandom(99)})
+    store.close()
+    for v, (claimed, parent) in {4: (9, 5), 5: (8, 4)}.items():
+        path = next((tmp_path / "s").rglob(f"*{v:08d}.json"))
+        body = json.loads(path.read_text())
+        body.update(version=claimed, parent=parent)
+        path.write_text(json.dumps(body))
+    store = WeightStore.open(tmp_path / "s")
+    with pytest.raises(ManifestError, match="names version 8, not 5"):
+        store.plan(None, 5)
+    with pytest.raises(ManifestError, match="names version 8, not 5"):
+        store.plan(3, 5)

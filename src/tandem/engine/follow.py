@@ -193,7 +193,7 @@ class EngineWeightSync:
             # The shadow is past the engine and no patch leads from ``at``: which elements changed from
             # ``at`` to ``base`` is in the store's deltas (positions need no base), their values are the
             # verified shadow's, so the engine still pauses only for a patch.
-            moved = self._store.submit(self._store_positions, at, base, adv).result()
+            moved = self._store.submit(self._store_positions, at, base, adv, tensors).result()
             if moved is not None:
                 for name, idx in adv.changes.items():  # base -> target, advanced above
                     moved[name] = _union(moved[name], idx) if name in moved else idx
@@ -201,10 +201,13 @@ class EngineWeightSync:
                 return _Step(target, compose_patches([*steps, patch]), adv=adv, shared=len(steps))
         return _Step(target, None, adv=adv)  # a full reload from the host shadow: the caller's, see above
 
-    def _store_positions(self, a: int, b: int, adv: Advance) -> dict[str, np.ndarray | None] | None:
-        """The elements the store's delta chain ``a -> b`` changes, per tensor (None: all of it), decoded
-        from the deltas alone; None when there is no such chain (versions gone, a snapshot on the way, a
-        blob that does not decode). What it downloads is counted in ``adv``."""
+    def _store_positions(
+        self, a: int, b: int, adv: Advance, tensors: dict[str, np.ndarray]
+    ) -> dict[str, np.ndarray | None] | None:
+        """The elements the store's delta chain ``a -> b`` changes, per tensor of ``tensors`` (None: all of
+        it), decoded from the deltas alone; None when there is no such chain (versions gone, a snapshot on
+        the way, a blob that does not decode or names a tensor not in ``tensors``). What it downloads is
+        counted in ``adv``."""
         try:
             fetched = self.follower.client.fetch(a, b)
             if any(f.step.kind == FULL for f in fetched):
@@ -213,7 +216,9 @@ class EngineWeightSync:
             for f in fetched:
                 adv.downloaded_bytes += sum(len(blob) for blob in f.blobs.values())
                 for name, blob in f.blobs.items():
-                    idx = changed_positions(blob, name)
+                    if name not in tensors:
+                        return None
+                    idx = changed_positions(blob, name, int(tensors[name].size))
                     if idx is None or idx.size:
                         moved[name] = _union(moved[name], idx) if name in moved else idx
             return moved

@@ -13,6 +13,9 @@ Invariants:
 - Blobs are split into ``part_size`` ranges fetched by ``parallel`` threads over pooled keep-alive
   connections; the thread that completes a blob verifies it. ``close()`` aborts downloads in flight.
   The optional ``limiter`` paces everything this client receives (one link).
+- What a source sends is bounded: manifests and ``latest`` answers by ``MAX_SMALL_BYTES`` (an endless body
+  had grown a relay to 2.9 GB in 4 s), error bodies by ``MAX_ERROR_BYTES``, blob sizes by
+  ``MAX_BLOB_BYTES``; past a bound the source has failed (``TransportError``), nothing else is read.
 - ``cache_dir`` (optional) keeps verified blobs as ``blobs/{sha256}``; a cached blob is re-hashed on use.
 - A downloaded blob is handed out as a read-only ``memoryview`` of the buffer it was received into (a cached
   one as ``bytes``): no bulk copy or zero-fill runs with the GIL held. The download threads run at the
@@ -58,6 +61,10 @@ DEFAULT_PART_SIZE = 8 << 20
 _READ_CHUNK = 256 * 1024
 _NET_ERRORS = (OSError, http.client.HTTPException)
 _EMPTY_SHA = hashlib.sha256(b"").hexdigest()
+MAX_SMALL_BYTES = 64 << 20  # a manifest or a latest answer larger than this is refused, never read on
+MAX_ERROR_BYTES = 64 << 10  # of an error answer's body, what is read (for its message)
+MAX_BLOB_BYTES = 1 << 40  # a blob size (from a manifest or a HEAD) larger than this is refused before any
+# buffer is allocated: 10**15 had raised MemoryError out of ``fetch``
 Blob = bytes | memoryview
 """A verified blob: ``bytes`` from the cache, a read-only view of its receive buffer when downloaded."""
 
@@ -172,12 +179,20 @@ class WeightClient:
             for src in self._ordered():
                 try:
                     conn, resp = self._conns.open(src, method, PREFIX + path)
-                    body = resp.read()
+                    limit = MAX_SMALL_BYTES if resp.status == 200 else MAX_ERROR_BYTES
+                    body = resp.read(limit + 1)
                 except _NET_ERRORS as e:
                     self._fail(src)
                     errors[src.url] = f"{type(e).__name__}: {e}"
                     continue
-                self._conns.checkin(src, conn)
+                if resp.isclosed():
+                    self._conns.checkin(src, conn)
+                else:  # more than ``limit`` came: an endless manifest, or an error longer than its message
+                    conn.close()
+                    if resp.status == 200:
+                        self._fail(src)
+                        errors[src.url] = f"answered more than {MAX_SMALL_BYTES} bytes for {what}"
+                        continue
                 if resp.status == 200:
                     return body, resp
                 if resp.status == 404:
@@ -196,8 +211,16 @@ class WeightClient:
             body, _ = self._small("GET", "/latest", "latest version")
         except _NotFound as e:
             raise TransportError(f"{self._urls()} do not serve /v1/weights/latest: {e}") from None
-        version = json.loads(body).get("version")
-        return None if version is None else int(version)
+        try:
+            version = json.loads(body).get("version")
+        except (ValueError, AttributeError):
+            version = ""
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
+            raise TransportError(
+                f"{self._urls()} answered /v1/weights/latest with {body[:100]!r}; expected "
+                '{"version": N} with N a non-negative integer, or null'
+            )
+        return version
 
     def manifest_bytes(self, version: int) -> bytes:
         try:
@@ -219,7 +242,10 @@ class WeightClient:
             _, resp = self._small("HEAD", f"/blobs/{key}", f"blob {key}")
         except _NotFound as e:
             raise MissingBlobError(str(e)) from None
-        return int(resp.getheader("Content-Length", "0"))
+        length = resp.getheader("Content-Length", "")
+        if not length.isdigit():
+            raise TransportError(f"{self._urls()} answered HEAD of blob {key} without a Content-Length")
+        return int(length)
 
     def plan(self, from_version: int | None, to_version: int | None = None) -> list[PlanStep]:
         target = self.latest() if to_version is None else to_version
@@ -252,6 +278,9 @@ class WeightClient:
 
     def fetch_keys(self, sizes: Mapping[str, int]) -> dict[str, Blob]:
         """Verified bytes per blob address, given each blob's size (cache first, then the sources)."""
+        for key, size in sizes.items():
+            if not 0 <= size <= MAX_BLOB_BYTES:
+                raise TransportError(f"blob {key} is said to be {size} bytes (at most {MAX_BLOB_BYTES})")
         out: dict[str, Blob] = {}
         todo: dict[str, int] = {}
         for key, size in sizes.items():
@@ -339,7 +368,7 @@ class WeightClient:
             return
         if resp.status == 200 and part.pos == 0 and resp.length == part.end:
             return  # the server ignored Range and sent the whole (single-part) blob
-        body = resp.read()
+        body = resp.read(MAX_ERROR_BYTES)  # the connection is closed by the caller: no more is read
         if resp.status == 404:
             raise _NotFound(_error_text(body))
         if resp.getheader(CORRUPT_HEADER) == "corrupt-blob":
@@ -391,7 +420,11 @@ class _Batch:
     def __init__(self, client: WeightClient, sizes: Mapping[str, int], out: dict[str, Blob]) -> None:
         self.client, self.out = client, out
         # not zero-filled (see module invariants): every byte is received, then verified by its hash
-        self.bufs = {key: np.empty(size, np.uint8) for key, size in sizes.items()}
+        try:
+            self.bufs = {key: np.empty(size, np.uint8) for key, size in sizes.items()}
+        except MemoryError:
+            total = sum(sizes.values())
+            raise TransportError(f"cannot hold {len(sizes)} blobs of {total} bytes in memory") from None
         self.parts = {
             key: [_Part(key, a, min(a + client.part_size, size), a) for a in range(0, size, client.part_size)]
             for key, size in sizes.items()

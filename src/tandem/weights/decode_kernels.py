@@ -100,6 +100,8 @@ def decode_sparse_chunk(
                 j = min(pos >> 6, nw - 2)
                 gap, used = golomb_decode(peek(bwords[j], bwords[j + 1], pos & 63), m, b, u)
                 if gap >= 0:
+                    if q_long > size // m:  # a gap past the chunk (and no int64 overflow computing it)
+                        return -1
                     pos += used
                     gap += q_long * m
                     break
@@ -107,6 +109,8 @@ def decode_sparse_chunk(
                 pos += GOLOMB_FAST_Q
                 if pos > nbits:
                     return -1
+        if gap >= size - last:  # checked before adding: a crafted gap had wrapped ``last`` negative
+            return -1
         last = last + 1 + gap
         if last >= size or pos > nbits:
             return -1

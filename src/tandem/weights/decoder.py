@@ -125,11 +125,15 @@ class TensorDecoder:
                     self.gap_table, pos = parse_table(buf, pos)
                 else:
                     self.golomb_m, pos = read_varint(self.blob, pos)
+                    if not 1 <= self.golomb_m <= max(1, h.numel):  # a gap is never longer than the tensor
+                        raise ValueError(f"Golomb parameter {self.golomb_m} for {h.numel} elements")
             if h.mode == QUAD:
                 self.table, pos = parse_table(buf, pos, K.QUAD_ALPHABET)
                 self.esc_table, pos = parse_table(buf, pos)
             else:
                 self.table, pos = parse_table(buf, pos)
+            if int(buf[pos]) > MAX_CHUNK_LOG2:
+                raise ValueError(f"chunk of 2**{int(buf[pos])} elements")
             chunk = 1 << int(buf[pos])
             pos += 1
         except (ValueError, IndexError) as e:
@@ -248,6 +252,7 @@ _UNIFORM_GAPS = Table(np.ones(1, np.int64) << 14)  # placeholder gap table of Go
 
 
 _LITTLE = sys.byteorder == "little"
+MAX_CHUNK_LOG2 = 40  # chunks the encoder writes are 2**CHUNK_LOG2 elements; a blob claiming more is corrupt
 
 
 @njit(**NJIT)
@@ -283,11 +288,15 @@ def _read_chunk(
     return count, pos + nbytes, rwords, lens, bwords, nbits
 
 
-def changed_positions(blob: bytes | memoryview, name: str = "tensor") -> np.ndarray | None:
+def changed_positions(blob: bytes | memoryview, name: str, numel: int) -> np.ndarray | None:
     """The sorted flat indices of the elements ``blob`` changes, decoded without its base (see module
     invariants), or None when it rewrites the whole tensor (raw and XOR fallback modes). Raises
-    ``CorruptDeltaError`` naming the tensor for a blob whose streams do not decode."""
+    ``CorruptDeltaError`` naming the tensor for a blob whose streams do not decode or that is not for a
+    tensor of ``numel`` elements (what it decodes to is sized by that, never by the blob's own header: a
+    40-byte blob claiming 2**40 elements had asked for terabytes)."""
     h = parse_header(blob, name)
+    if h.numel != numel:
+        raise CorruptDeltaError(f"delta blob of {name!r} is for {h.numel} elements, the tensor has {numel}")
     if h.mode == IDENT:
         return np.zeros(0, np.int64)
     if h.mode not in (SPARSE, DENSE, QUAD):

@@ -95,7 +95,7 @@ def low_bits(v: int, n: int) -> int:
 def golomb_params(m: int) -> tuple[int, int]:
     """(b, u) of the truncated-binary remainder for parameter m: b = ceil(log2 m), u = 2**b - m."""
     b = 0
-    while (1 << b) < m:
+    while b < 62 and (1 << b) < m:  # bounded: ``1 << 63`` wraps negative, and m > 2**62 looped forever
         b += 1
     return b, (1 << b) - m
 

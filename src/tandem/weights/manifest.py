@@ -162,7 +162,17 @@ class Manifest:
         return json.dumps(self.to_json(), indent=1, sort_keys=True).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes, where: str) -> Manifest:
+    def from_bytes(cls, data: bytes, where: str, version: int | None = None) -> Manifest:
+        """Parse a manifest; with ``version``, refuse one that names another version (a store or upstream
+        that answers version 4 with a manifest of version 9 had made catch-up plans and GC loop forever,
+        and a relay cache it for good)."""
+        manifest = cls._parse(data, where)
+        if version is not None and manifest.version != version:
+            raise ManifestError(f"manifest {where} names version {manifest.version}, not {version}")
+        return manifest
+
+    @classmethod
+    def _parse(cls, data: bytes, where: str) -> Manifest:
         try:
             raw = json.loads(data)
         except ValueError as e:

@@ -132,7 +132,8 @@ class Relay:
         return body
 
     def _remember(self, version: int, body: bytes) -> None:
-        manifest = Manifest.from_bytes(body, f"v{version} from upstream {', '.join(self.upstream.urls)}")
+        where = f"v{version} from upstream {', '.join(self.upstream.urls)}"
+        manifest = Manifest.from_bytes(body, where, version)
         with self._mutex:
             for ref in [*manifest.blobs.values(), *(manifest.delta_blobs or {}).values()]:
                 self._sizes[ref.key] = ref.size
@@ -143,7 +144,7 @@ class Relay:
         key = f"manifests/v{version:08d}.json"
         try:
             body = self.cache.get(key)
-            Manifest.from_bytes(body, key)
+            Manifest.from_bytes(body, key, version)
         except MissingKeyError:
             return None
         except ManifestError:

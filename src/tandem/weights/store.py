@@ -184,7 +184,8 @@ class WeightStore:
     def manifest(self, version: int) -> Manifest:
         cached = self._manifests.get(version)
         if cached is None:
-            cached = Manifest.from_bytes(self.manifest_bytes(version), f"v{version} in {self.describe()}")
+            where = f"v{version} in {self.describe()}"
+            cached = Manifest.from_bytes(self.manifest_bytes(version), where, version)
             self._manifests[version] = cached
         return cached
 
