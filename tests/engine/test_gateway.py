@@ -697,6 +697,8 @@ def test_malformed_json_and_bad_reward_are_400(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "value"
     r = http.post("/v1/tandem/sessions/rw/reward", json={"value": 1.0, "components": {"x": "y"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "components"
+    r = http.post("/v1/tandem/sessions/rw/reward", json={"value": 1.0, "components": {"x" * 10**6: 1}})
+    assert r.status_code == 400 and "at most 128" in r.json()["error"]["message"]  # a 1 MB name had been kept
     assert http.get("/health").json()["counters"]["bad_request"] >= 3
 
 

@@ -25,7 +25,8 @@ Invariants:
   ``/v1/tandem/sessions/{id}``: 1-``MAX_SESSION_ID`` characters, no ``/``, not ``.`` or ``..``; anything else
   is refused up front, since its record could never be read or rewarded.
 - ``parse_reward`` checks a reward body: a finite ``value`` and at most ``MAX_REWARD_COMPONENTS``
-  ``components`` (an object of finite numbers, or absent/null).
+  ``components`` (an object of finite numbers, or absent/null) with names of at most
+  ``MAX_COMPONENT_NAME`` characters.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_STOP = 4
 MAX_SESSION_ID = 256
+MAX_COMPONENT_NAME = 128  # characters of a reward component's name (metrics and reports show it)
 MAX_REWARD_COMPONENTS = 256
 
 
@@ -185,6 +187,11 @@ def parse_reward(body: Any) -> Reward:
         )
     out = {}
     for k, v in comps.items():
+        if len(k) > MAX_COMPONENT_NAME:
+            raise BadRequest(
+                f"components has a name of {len(k)} characters; names are at most {MAX_COMPONENT_NAME}",
+                "components",
+            )
         f = _finite(v)
         if f is None:
             raise BadRequest(
