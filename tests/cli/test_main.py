@@ -148,3 +148,18 @@ def test_bench_codec_and_sync_refuse_non_finite_sizes_rates_and_bandwidths():
     ):
         r = tandem("bench", *args)
         assert r.returncode == 2 and needle in r.stderr, r.stderr[-500:]
+
+
+def test_train_refuses_a_run_dir_it_cannot_write_and_a_resume_without_its_config(tmp_path):
+    """A file as --run-dir, or a path under one, had been a raw traceback; a resume whose config.toml was
+    gone had silently continued with configs/default.toml and overwritten the run's settings."""
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    for run_dir in (afile, afile / "sub"):
+        r = tandem("train", "--preset", "smoke", "--run-dir", str(run_dir), timeout=120)
+        assert r.returncode == 2 and "error: --run-dir" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    r = tandem("train", "--resume", "--run-dir", str(run), timeout=120)
+    assert r.returncode == 2 and "config.toml' is missing" in r.stderr, r.stderr
+    assert not (run / "config.toml").exists()

@@ -63,12 +63,43 @@ def test_overrides_parse_toml_values(tmp_path):
         ("rollout.harness_max_concurrent=0", "rollout.harness_max_concurrent"),
         ("rollout.harness_max_sessions=100000", "rollout.harness_max_sessions"),
         ("rollout.harness_sampling=greedy", "rollout.harness_sampling"),
+        ("train.seed=18446744073709551616", "train.seed"),  # had failed in torch after Ray started
+        ("train.seed=-1", "train.seed"),
+        ("tasks.seed=-1", "tasks.seed"),
+        ("reward.tool_error_penalty=-5", "reward.tool_error_penalty"),  # had paid for malformed calls
+        ("reward.test_edit_penalty=1e308", "reward.test_edit_penalty"),
+        ("reward.terms=['1e308 * pass_fraction', '1e308 * all_passed']", "weight"),  # had made the reward inf
+        ("reward.judge_timeout_s=1e300", "reward.judge_timeout_s"),  # every judge call had failed
+        ("reward.judge_backoff_s=1e300", "reward.judge_backoff_s"),
         ("reward.terms=['1 * f3p_fraction']", "unknown component 'f3p_fraction'"),
     ],
 )
 def test_invalid_config_names_the_field(override, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config(overrides=[override])
+
+
+def test_a_config_error_never_shows_the_judges_api_key():
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["reward.judge_api_key='sk-LEAKME-999'", "reward.judge_api_key_env='X'"])
+    assert "judge_api_key" in str(info.value) and "sk-LEAKME-999" not in str(info.value)
+    for url in ("http://:99999/x", "http://[::1", "http://host:0/v1"):  # passed a pattern, failed every call
+        with pytest.raises(ConfigError, match="judge_url") as info:
+            load_config(overrides=[
+                "reward.criteria=['style: is it tidy']", "reward.terms=['1 * judge.style']",
+                f"reward.judge_url='{url}'", "reward.judge_model='m'", "reward.judge_api_key='sk-LEAKME-999'",
+            ])  # fmt: skip
+        assert "sk-LEAKME-999" not in str(info.value)
+
+
+def test_strings_with_control_characters_survive_the_run_config_round_trip(tmp_path):
+    """``judge_model = "fake\u0001model"`` was written raw into config.toml, which ``--resume`` then could
+    not read ("Illegal character")."""
+    cfg = load_config(base={"reward": {"judge_model": 'fake\x01model \t\r\n\x7f\x1b\\ " end'}})
+    assert "\x01" in cfg.reward.judge_model
+    path = tmp_path / "config.toml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg
 
 
 def test_a_cross_field_error_names_the_field_without_dumping_the_config():

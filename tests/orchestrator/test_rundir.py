@@ -45,3 +45,32 @@ def test_a_resume_with_nothing_left_to_train_is_refused_before_starting(tmp_path
     with pytest.raises(TandemError, match="latest checkpoint is at step 6 and orchestrator.steps=6"):
         train(cfg, tmp_path, resume=True)
     assert not (tmp_path / "final_model").exists()
+
+
+def test_a_damaged_latest_checkpoint_is_refused_before_ray_starts(tmp_path):
+    """A truncated ``trainer_state.json`` of the latest checkpoint had been skipped silently: the run resumed
+    from the one before and wrote its steps into metrics.jsonl twice. ``[]`` or ``"version": null`` there
+    had been tracebacks; a damaged file had been found only by the trainer actor, after Ray started."""
+    import ray
+
+    from tandem.orchestrator import train
+    from tandem.train.checkpoint import CheckpointError, checkpoint_path, write_state
+
+    cfg = load_config(overrides=["engine.kind='builtin'", "orchestrator.steps=6"])
+    (tmp_path / "config.toml").write_text(dump_config(cfg))
+    for version in (2, 3):
+        ck = checkpoint_path(tmp_path, version)
+        ck.mkdir(parents=True)
+        (ck / "optimizer.pt").write_bytes(b"state %d" % version)
+        write_state(ck, {"version": version})
+    state = checkpoint_path(tmp_path, 3) / "trainer_state.json"
+    intact = state.read_text()
+    for damage in (intact[:40], "[]", intact.replace('"version": 3', '"version": null')):
+        state.write_text(damage)
+        with pytest.raises(CheckpointError, match="step_000003.*move step_000003 out.*step_000002"):
+            train(cfg, tmp_path, resume=True)
+    state.write_text(intact)
+    (checkpoint_path(tmp_path, 3) / "optimizer.pt").write_bytes(b"state 9")
+    with pytest.raises(CheckpointError, match="optimizer.pt does not match the hash"):
+        train(cfg, tmp_path, resume=True)
+    assert not ray.is_initialized()

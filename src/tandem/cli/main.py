@@ -125,8 +125,17 @@ def train(
     ray_address: Annotated[str | None, typer.Option(help="Join this Ray cluster.")] = None,
 ) -> None:
     """Run RL training (async by default) and write metrics, checkpoints and report.md to --run-dir."""
+    from tandem.cli.checks import writable_dir_problem
+
+    if problem := writable_dir_problem("--run-dir", run_dir):  # a file, a path under one, /sys: a traceback
+        fail(problem)
     recorded = run_dir / "config.toml"
-    if resume and preset is None and config is None and recorded.is_file():
+    if resume and preset is None and config is None:
+        if not recorded.is_file():  # the default config would have replaced the run's settings silently
+            fail(
+                f"--resume: {str(recorded)!r} is missing, so the run's settings are unknown; restore it, or "
+                "pass --config FILE (or --preset NAME) with the settings the run was started with"
+            )
         config = recorded  # a resume continues with the run's own settings (--set may extend its budget)
     if preset is None and config is None:
         preset = "default"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+import urllib.parse
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +29,20 @@ MAX_THREADS = 1024
 """Most torch threads a setting or option accepts: beyond a C int torch refuses the value with an unclear
 error, at 100000 a process crashed (SIGSEGV) and an engine actor failed with "can't start new thread"
 after Ray had started; no machine this runs on has more cores than this."""
+MAX_SEED = 2**63 - 1  # torch's generators take a signed 64-bit seed (2**64 had failed after Ray started)
+MAX_REWARD_SCALE = 1e6  # reward weights and penalties: rewards stay finite whatever the terms
+SECRET_FIELDS = ("judge_api_key",)  # never echoed by config errors (nor written out, see ``_hide_key``)
+
+
+def _http_url(url: str) -> bool:
+    """An http(s) URL with a host and, if any, a valid port (``http://:99999/x`` had passed a pattern)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # raises for a port out of range or not a number
+    except ValueError:
+        return False
+    ok = parts.scheme in ("http", "https") and bool(parts.hostname) and not any(c.isspace() for c in url)
+    return ok and (port is None or port > 0)
 
 
 class Section(BaseModel):
@@ -53,7 +68,7 @@ class TaskConfig(Section):
     SWE-bench-style repository tasks: fix an issue in a small package; disjoint train and heldout splits)."""
     levels: list[int] = [1, 2, 3]
     """Difficulty levels to draw tasks from (1 easiest; builtin only)."""
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
     """Seed of the task generator; splits are disjoint by construction for every seed (builtin only)."""
     heldout_size: int = 64
     """Number of held-out tasks used by evaluation (humaneval: the first min(n, 164) problems)."""
@@ -211,8 +226,9 @@ class RewardTerm(Section):
     component: str
     """The component weighted: `pass_fraction`, `all_passed`, `f2p_fraction`, `p2p_fraction` (see
     `REWARD_TEST_COMPONENTS`), `judge` (the rubric's weighted mean) or `judge.<criterion>`."""
-    weight: float = Field(default=1.0, ge=0.0)
-    """Non-negative weight of the component in the reward."""
+    weight: float = Field(default=1.0, ge=0.0, le=MAX_REWARD_SCALE)
+    """Non-negative weight of the component in the reward (at most 1e6: two terms of 1e308 had made the
+    reward inf)."""
     gates: list[RewardGate] = []
     """All must be open for the term to count; a closed gate zeros the term without calling the judge."""
 
@@ -246,9 +262,10 @@ class RewardConfig(Section):
     repository tasks the hidden tests include the PASS_TO_PASS suite, so "fraction" gives an untouched
     repository about 0.9; partial credit for the issue itself is the term `"1 * f2p_fraction if
     p2p_fraction >= 1"`."""
-    tool_error_penalty: float = 0.0
-    """Subtracted per malformed tool call (logged as a component either way)."""
-    test_edit_penalty: float = Field(default=0.0, ge=0.0)
+    tool_error_penalty: float = Field(default=0.0, ge=0.0, le=MAX_REWARD_SCALE)
+    """Subtracted per malformed tool call (logged as a component either way); in [0, 1e6] (a negative one
+    paid the agent for malformed calls)."""
+    test_edit_penalty: float = Field(default=0.0, ge=0.0, le=MAX_REWARD_SCALE)
     """Subtracted when the agent's final workspace changes a protected file (the visible tests) or adds a file
     named like a hidden test (flagged as `tests_edited` either way); never takes the reward below 0."""
     terms: list[RewardTerm] = []
@@ -269,11 +286,11 @@ class RewardConfig(Section):
     judge_api_key: str = ""
     """The judge's API key itself (prefer `judge_api_key_env`); never written out: the run's config.toml and
     checkpoints record it as empty."""
-    judge_timeout_s: float = Field(default=30.0, gt=0.0)
+    judge_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)
     """Time limit of one judge request (connect, and the whole answer) in seconds."""
-    judge_retries: int = Field(default=2, ge=0)
+    judge_retries: int = Field(default=2, ge=0, le=100)
     """Retries of a judge request after a connection error, a timeout or an HTTP 408/429/5xx status."""
-    judge_backoff_s: float = Field(default=0.5, ge=0.0)
+    judge_backoff_s: float = Field(default=0.5, ge=0.0, le=600.0)
     """Wait before the first retry; doubled before each further one."""
     judge_concurrency: int = Field(default=4, ge=1)
     """Criteria judged at once (one request each) for one scored session."""
@@ -322,7 +339,7 @@ class RewardConfig(Section):
             if sum(c.weight for c in self.criteria) <= 0:
                 raise ValueError("reward.criteria: the weights sum to 0 but the rubric score `judge` is used")
         if names:
-            if not re.fullmatch(r"https?://\S+", self.judge_url):
+            if not _http_url(self.judge_url):
                 raise ValueError(
                     "reward.judge_url must be an http(s) URL of an OpenAI-compatible API when "
                     f"reward.criteria are set (e.g. 'http://127.0.0.1:8000/v1'), got {self.judge_url!r}"
@@ -500,8 +517,8 @@ class TrainConfig(Section):
     nothing)."""
     checkpoint_every: int = 10
     """Save a resumable checkpoint every N steps (and at the end)."""
-    seed: int = 0
-    """Seed of the trainer and of sampling."""
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
+    """Seed of the trainer and of sampling (0..2**63-1: torch's generators take a signed 64-bit seed)."""
 
 
 class WeightsConfig(Section):
@@ -757,6 +774,14 @@ def _set_dotted(d: dict[str, Any], key: str, value: Any) -> None:
     d[parts[-1]] = value
 
 
+def _shown_input(value: Any) -> str:
+    """The offending input as shown in an error, with secrets (``SECRET_FIELDS``) masked: a section's error
+    echoes the whole section, which had printed the judge's API key."""
+    if isinstance(value, dict):
+        value = {k: "***" if k in SECRET_FIELDS and v else v for k, v in value.items()}
+    return repr(value)
+
+
 def _format_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -764,7 +789,7 @@ def _format_error(err: ValidationError) -> str:
         if not loc:  # a cross-field check: its message names the fields (the input is the whole config)
             lines.append(e["msg"].removeprefix("Value error, "))
             continue
-        lines.append(f"config field `{loc}`: {e['msg']} (got {e.get('input')!r})")
+        lines.append(f"config field `{loc}`: {e['msg']} (got {_shown_input(e.get('input'))})")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
@@ -821,13 +846,21 @@ def dump_config(cfg: RunConfig) -> str:
     return "\n".join(out)
 
 
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _control(c: str) -> bool:
+    return ord(c) < 0x20 or ord(c) == 0x7F
+
+
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, str):  # a TOML basic string: control characters escaped, or config.toml is unreadable
+        escaped = "".join(_TOML_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if _control(c) else c) for c in v)
+        return f'"{escaped}"'
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(f"cannot render {v!r} as TOML")

@@ -87,7 +87,7 @@ def init_ray(cfg: RunConfig) -> None:
 def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
     """Run RL training as configured; returns what it measured and writes the run directory."""
     from tandem.engine.choice import resolve_run_engine
-    from tandem.train.checkpoint import latest_checkpoint, read_state
+    from tandem.train.checkpoint import latest_checkpoint, read_state, verify_files
 
     cfg, changed = check_run_dir(cfg, run_dir, resume)  # a new run never mixes with an old one
     resume_dir = None
@@ -98,7 +98,9 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
                 f"--resume: no checkpoint under {run_dir / 'checkpoints'}; start without it"
             )
         resume_dir = str(ckpt)
-        done = int(read_state(ckpt)["version"])
+        state = read_state(ckpt)
+        verify_files(ckpt, state)  # here, naming the file, not in an actor's traceback after Ray started
+        done = int(state["version"])
         if done >= cfg.orchestrator.steps:
             raise TandemError(
                 f"--resume: the run's latest checkpoint is at step {done} and orchestrator.steps="

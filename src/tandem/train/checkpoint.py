@@ -34,6 +34,11 @@ class CheckpointError(TandemError, ValueError):
     """A checkpoint's files do not match what was written (see ``verify_files``)."""
 
 
+class IncompleteCheckpointError(CheckpointError):
+    """A readable state without ``"complete": true``: a checkpoint that was never finished, which
+    ``list_checkpoints`` skips (every other damage to a state is refused)."""
+
+
 STATE_FILE = "trainer_state.json"
 FORMAT = 1
 """Version of the checkpoint format written by this module."""
@@ -95,19 +100,50 @@ def write_state(ckpt_dir: str | Path, state: dict[str, Any]) -> None:
 
 
 def read_state(ckpt_dir: str | Path) -> dict[str, Any]:
-    """Read and check ``trainer_state.json`` of a checkpoint directory."""
+    """Read and check ``trainer_state.json`` of a checkpoint directory: ``FileNotFoundError`` when there is
+    none, ``CheckpointError`` naming the file when it is unreadable, not a complete state of this format, or
+    lacks an integer ``version``."""
     path = Path(ckpt_dir) / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(
             f"{ckpt_dir} is not a trainer checkpoint (no {STATE_FILE}); pass a directory written by "
             "Trainer.save_checkpoint, e.g. <run_dir>/checkpoints/step_000010"
         )
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # truncated, not UTF-8, not JSON: it was damaged after it was written
+        raise CheckpointError(
+            f"{path} cannot be read ({type(e).__name__}: {e}){_move_hint(Path(ckpt_dir))}"
+        ) from None
+    if not isinstance(data, dict):
+        raise CheckpointError(
+            f"{path} holds a JSON {type(data).__name__}, not an object{_move_hint(Path(ckpt_dir))}"
+        )
     if not data.get("complete"):
-        raise ValueError(f"checkpoint {ckpt_dir} is incomplete; resume from an earlier one")
+        raise IncompleteCheckpointError(f"checkpoint {ckpt_dir} is incomplete{_move_hint(Path(ckpt_dir))}")
     if data.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {ckpt_dir} has format {data.get('format')}, this tandem reads {FORMAT}")
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} has format {data.get('format')!r}, this tandem reads {FORMAT}"
+        )
+    version = data.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise CheckpointError(
+            f"{path}: version {version!r} is not a non-negative integer{_move_hint(Path(ckpt_dir))}"
+        )
+    if not isinstance(data.get("files", {}), dict):
+        raise CheckpointError(f"{path}: 'files' is not an object{_move_hint(Path(ckpt_dir))}")
     return data
+
+
+def _move_hint(ckpt_dir: Path) -> str:
+    """What to do about a damaged checkpoint: resume from the run's latest earlier one."""
+    root = ckpt_dir.parent
+    earlier = sorted(
+        p.name for p in root.iterdir() if p.is_dir() and p != ckpt_dir and not p.name.startswith(".")
+    )
+    if not earlier:
+        return "; no other checkpoint of this run exists"
+    return f"; move {ckpt_dir.name} out of {root} to resume from an earlier checkpoint ({', '.join(earlier)})"
 
 
 def _file_hashes(ckpt_dir: Path) -> dict[str, str]:
@@ -133,22 +169,17 @@ def verify_files(ckpt_dir: str | Path, state: dict[str, Any]) -> None:
         p = ckpt_dir / name
         try:
             got = _hash(p)
-        except OSError as e:
-            problem = f"cannot be read ({e.strerror})"
+        except OSError as e:  # a missing file has strerror; others may not (it had said "(None)")
+            problem = f"cannot be read ({e.strerror or type(e).__name__})"
         else:
             if got == want:
                 continue
             problem = "does not match the hash recorded when it was written (damaged or truncated)"
-        earlier = [c.name for _, c in list_checkpoints(ckpt_dir.parent.parent) if c != ckpt_dir]
-        hint = (
-            f"move it out of {ckpt_dir.parent} to resume from the latest earlier one ({earlier[-1]})"
-            if earlier
-            else "no earlier checkpoint of this run exists"
-        )
-        raise CheckpointError(f"checkpoint {ckpt_dir}: {name} {problem}; {hint}")
+        raise CheckpointError(f"checkpoint {ckpt_dir}: {name} {problem}{_move_hint(ckpt_dir)}")
 
 
 def is_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` holds a readable, complete checkpoint."""
     try:
         read_state(path)
     except (OSError, ValueError):
@@ -157,17 +188,19 @@ def is_checkpoint(path: str | Path) -> bool:
 
 
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints of a run as ``(version, path)``, oldest first (hidden temporaries are ignored)."""
+    """Complete checkpoints of a run as ``(version, path)``, oldest first (hidden temporaries and directories
+    without a ``trainer_state.json`` or with an incomplete one are ignored; a checkpoint whose state is
+    damaged raises ``CheckpointError`` naming it)."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
     found = []
     for p in root.iterdir():
-        if p.name.startswith(".") or not p.is_dir():
-            continue
-        try:
-            version = int(read_state(p)["version"])
-        except (OSError, ValueError, KeyError):
+        if p.name.startswith(".") or not p.is_dir() or not (p / STATE_FILE).is_file():
+            continue  # a hidden temporary, or not a checkpoint at all
+        try:  # a damaged state is refused (CheckpointError), never skipped: skipping the latest had resumed
+            version = read_state(p)["version"]  # from an earlier one silently, repeating its steps in metrics
+        except IncompleteCheckpointError:
             continue
         # step_* and `final` can hold the same version (same weights); order ties deterministically.
         found.append((version, p.name == "final", p))
