@@ -227,7 +227,8 @@ def test_a_harness_cannot_leave_work_behind_or_flood_the_gateway(engine) -> None
             time.sleep(0.05)
         seen["engine"] = engine.health()
 
-    _, group = run_group(engine, ["python3", "-c", flood], n=1, after=after_group)
+    # served as it asks (900 tokens, ignore_eos): at the run's sampling its turns would end before it exits
+    _, group = run_group(engine, ["python3", "-c", flood], n=1, after=after_group, harness_sampling="harness")
     assert not group.trajectories[0].flags["sandbox_error"]
     assert seen["in_flight"] == 0  # nothing of the harness's left in flight at the gateway
     assert seen["engine"]["active"] == seen["engine"]["queued"] == 0, seen  # nor running in the engine

@@ -27,12 +27,14 @@ def threads_problem(flag: str, value: int) -> str | None:
     return None
 
 
-def writable_dir_problem(flag: str, path: Path) -> str | None:
+def writable_dir_problem(flag: str, path: Path, keep: bool = True) -> str | None:
     """Why ``path`` cannot be made (if missing) and written as an ordinary directory, or None.
 
     Creates the missing directories and a probe file and a probe subdirectory in ``path`` (then deletes the
     probes): the only test that works as root and on pseudo file systems (``/proc``, ``/sys``). On a refusal
-    every directory it made is removed again; on success ``path`` exists (empty, if it did not before)."""
+    every directory it made is removed again; on success ``path`` exists (empty, if it did not before),
+    unless ``keep`` is False: then what it made is removed on success too (a check before other checks,
+    which must leave nothing behind when they refuse)."""
     made: list[Path] = []
     try:
         missing = []
@@ -52,6 +54,9 @@ def writable_dir_problem(flag: str, path: Path) -> str | None:
             os.close(fd)
             os.unlink(probe)
         os.rmdir(tempfile.mkdtemp(prefix=".tandem-probe-", dir=path))
+        if not keep:
+            for d in reversed(made):
+                d.rmdir()
     except OSError as e:
         for d in reversed(made):
             try:

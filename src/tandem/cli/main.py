@@ -127,7 +127,7 @@ def train(
     """Run RL training (async by default) and write metrics, checkpoints and report.md to --run-dir."""
     from tandem.cli.checks import writable_dir_problem
 
-    if problem := writable_dir_problem("--run-dir", run_dir):  # a file, a path under one, /sys: a traceback
+    if problem := writable_dir_problem("--run-dir", run_dir, keep=False):  # a file, a path under one, /sys
         fail(problem)
     recorded = run_dir / "config.toml"
     if resume and preset is None and config is None:
