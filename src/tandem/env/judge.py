@@ -58,7 +58,9 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
@@ -447,15 +449,9 @@ def judge_criteria(
             # abandoned request must not hold a slot a retry waits for.
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
             with httpx.Client(timeout=httpx.Timeout(config.judge_timeout_s), limits=limits) as client:
-                out = _run_workers(
-                    client,
-                    config,
-                    key,
-                    task,
-                    diff,
-                    changed,
-                    [(n, by_name.get(n)) for n in dict.fromkeys(names)],
-                )
+                todo = [(n, by_name.get(n)) for n in dict.fromkeys(names)]
+                judge = partial(_judge_isolated, client, config, key, task, diff, changed)
+                out = _run_workers(judge, todo, config.judge_concurrency, _longest_s(config, len(todo)))
         except Exception as e:  # noqa: BLE001 - e.g. the client cannot be made; every criterion scores 0
             error = _redact(f"{type(e).__name__}: {e}", key)
             out = {n: out.get(n) or Verdict(0.0, error) for n in names}
@@ -466,16 +462,14 @@ def judge_criteria(
 
 
 def _run_workers(
-    client: httpx.Client,
-    config: RewardConfig,
-    key: str,
-    task: Task,
-    diff: str,
-    changed: dict[str, str],
+    judge: Callable[[JudgeCriterion | None], Verdict],
     todo: list[tuple[str, JudgeCriterion | None]],
+    concurrency: int,
+    limit: float,
 ) -> dict[str, Verdict]:
-    """The verdicts of ``todo``, judged by at most ``judge_concurrency`` daemon threads (not a
-    ThreadPoolExecutor: its threads are joined at exit, so a SIGTERM exit would wait for them)."""
+    """The verdicts of ``todo`` by ``judge``, on at most ``concurrency`` daemon threads (not a
+    ThreadPoolExecutor: its threads are joined at exit, so a SIGTERM exit would wait for them), waited for
+    ``limit`` seconds at most."""
     pending = list(reversed(todo))
     results: dict[str, Verdict] = {}
     lock = threading.Lock()
@@ -487,15 +481,14 @@ def _run_workers(
                 if not pending:
                     return
                 name, criterion = pending.pop()
-            verdict = _judge_isolated(client, config, key, task, diff, changed, criterion)
+            verdict = judge(criterion)
             with lock:
                 results[name] = verdict
                 if len(results) == len(todo):
                     all_done.set()
 
-    for i in range(min(config.judge_concurrency, len(todo))):
+    for i in range(min(concurrency, len(todo))):
         threading.Thread(target=work, name=f"tandem-judge-{i}", daemon=True).start()
-    limit = _longest_s(config, len(todo))
     all_done.wait(limit)
     with lock:
         return {n: results.get(n) or Verdict(0.0, f"no verdict within {limit:.0f}s") for n, _ in todo}
