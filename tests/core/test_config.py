@@ -12,8 +12,8 @@ def test_defaults_validate_and_every_field_is_documented():
 
 
 def test_overrides_parse_toml_values(tmp_path):
-    cfg = load_config(overrides=["train.lr=1e-4", "orchestrator.mode=sync", "tasks.levels=[1]"])
-    assert cfg.train.lr == 1e-4 and cfg.orchestrator.mode == "sync" and cfg.tasks.levels == [1]
+    cfg = load_config(overrides=["train.lr=1e-4", "orchestrator.mode=sync", "tasks.levels=[1]", "train.lr=1"])
+    assert cfg.train.lr == 1.0 and cfg.orchestrator.mode == "sync" and cfg.tasks.levels == [1]
     path = tmp_path / "c.toml"
     path.write_text(dump_config(cfg))
     assert load_config(path) == cfg
@@ -72,6 +72,11 @@ def test_overrides_parse_toml_values(tmp_path):
         ("reward.judge_timeout_s=1e300", "reward.judge_timeout_s"),  # every judge call had failed
         ("reward.judge_backoff_s=1e300", "reward.judge_backoff_s"),
         ("reward.terms=['1 * f3p_fraction']", "unknown component 'f3p_fraction'"),
+        ("tasks.max_turns=true", "tasks.max_turns`: expected a number, not true or false"),  # had run 1 turn
+        ("tasks.max_turns='6'", "tasks.max_turns`: expected a number, not a string"),
+        ("train.betas=[true, 0.9]", "train.betas`: expected a number, not true or false"),
+        ("train.clip_eps_low=false", "train.clip_eps_low`: expected a number"),
+        ("tasks.levels=[true]", "tasks.levels`: expected a number"),
     ],
 )
 def test_invalid_config_names_the_field(override, needle):

@@ -10,14 +10,16 @@ import re
 import tomllib
 import urllib.parse
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_serializer,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -52,6 +54,34 @@ class Section(BaseModel):
     model_config = ConfigDict(
         extra="forbid", validate_assignment=True, use_attribute_docstrings=True, allow_inf_nan=False
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """A number field (or a list of numbers) takes numbers only: pydantic's lax mode had read ``true`` as
+        1 (``tasks.max_turns = true`` ran one-turn sessions) and ``"6"`` as 6, hiding a mistyped value."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is None:
+            return value
+        scalar, items = _number_kinds(field.annotation)
+        values = value if items and isinstance(value, (list, tuple)) else [value] if scalar else []
+        for v in values:
+            if isinstance(v, bool):
+                raise ValueError("expected a number, not true or false")
+            if isinstance(v, str):
+                raise ValueError("expected a number, not a string; write the number without quotes")
+        return value
+
+
+def _number_kinds(annotation: Any) -> tuple[bool, bool]:
+    """(the annotation is a number or an optional one, it is a list or tuple of numbers)."""
+    numeric = (int, float)
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    if annotation in numeric:
+        return True, False
+    if get_origin(annotation) in (list, tuple):
+        return False, bool(args) and all(a in numeric or a is Ellipsis for a in args)
+    return bool(args) and all(a in numeric for a in args), False
 
 
 class ModelConfig(Section):
@@ -789,7 +819,8 @@ def _format_error(err: ValidationError) -> str:
         if not loc:  # a cross-field check: its message names the fields (the input is the whole config)
             lines.append(e["msg"].removeprefix("Value error, "))
             continue
-        lines.append(f"config field `{loc}`: {e['msg']} (got {_shown_input(e.get('input'))})")
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"config field `{loc}`: {msg} (got {_shown_input(e.get('input'))})")
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
