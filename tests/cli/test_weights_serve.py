@@ -136,3 +136,59 @@ def test_ctrl_c_sent_the_moment_the_url_appears_still_stops_the_server(tmp_path)
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def _start_serve(store_dir: Path, nofile: int) -> subprocess.Popen:
+    import resource
+
+    code = "import typer; from tandem.cli.weights_serve import serve; typer.run(serve)"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    args = [sys.executable, "-c", code, "--store", str(store_dir), "--port", "0"]
+    return subprocess.Popen(
+        args,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)),  # noqa: PLW1509
+    )
+
+
+def test_idle_and_slowloris_connections_beyond_the_fd_limit_never_lock_clients_out(tmp_path):
+    """More idle connections (some trickling a request's headers) than the server has descriptors: a
+    well-behaved client is still served, and the server still answers afterwards."""
+    from tandem.weights.client import WeightClient
+
+    blobs = {"w": os.urandom(200_000)}
+    store = WeightStore.open(tmp_path / "store", create=True)
+    manifest = store.publish(0, None, "full", "h0", blobs)
+    store.close()
+    nofile = 96
+    proc = _start_serve(tmp_path / "store", nofile)
+    flood: list[socket.socket] = []
+    try:
+        line = proc.stdout.readline()
+        assert "latest version 0" in line, line
+        url = line.rsplit(" at ", 1)[1].strip()
+        host, port = url.removeprefix("http://").split(":")
+        # Quickly (well within the handlers' 120 s read timeout, which would otherwise free descriptors):
+        for i in range(nofile + 60):
+            try:
+                s = socket.create_connection((host, int(port)), timeout=0.1)
+            except OSError:
+                continue  # the listen backlog is full: what a flood does to the server either way
+            if i % 3 == 0:
+                s.sendall(b"GET /v1/weights/latest HTTP/1.1\r\nHost: x\r\n")  # headers never finished
+            flood.append(s)
+        assert len(flood) > nofile // 2
+        # A generous deadline that only detects the lock-out (before: every request timed out).
+        with WeightClient([url], retries=0, timeout_s=30) as client:
+            assert client.latest() == 0
+            assert client.download(manifest.blobs) == blobs
+        assert proc.poll() is None
+    finally:
+        for s in flood:
+            s.close()
+        proc.kill()
+        proc.wait()

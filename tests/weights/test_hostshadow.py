@@ -4,6 +4,11 @@ to a new file that every process re-maps; readers share the lock, a writer has i
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -90,3 +95,38 @@ def test_readers_share_the_lock_and_a_writer_waits_for_them(tmp_path):
         for r in readers:
             r.result(timeout=30)
         assert waiting.result(timeout=30) == "written"
+
+
+_COMMIT_TOO_BIG = """
+import sys
+import numpy as np
+from tandem.weights.hostshadow import HostShadow
+shadow = HostShadow(sys.argv[1])
+shadow.commit(1, {"w": np.ones(100_000, np.float32)})  # fits
+try:
+    shadow.commit(2, {"w": np.ones(1_000_000, np.float32), "x": np.ones(3, np.float32)})  # 4 MB: does not
+except OSError as e:
+    print("OSError", e.errno, e)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("mount"), reason="mounts a small tmpfs")
+def test_a_full_dev_shm_is_an_error_not_a_bus_error(tmp_path):
+    """A shadow file bigger than the free memory of its tmpfs: before, its pages were first touched through
+    the shared mapping, and the process (an engine) died of SIGBUS, leaving the partial file behind."""
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True)
+    try:
+        share = mnt / "share"
+        r = subprocess.run(
+            [sys.executable, "-c", _COMMIT_TOO_BIG, str(share)], capture_output=True, text=True, timeout=120
+        )
+        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+        assert r.stdout.startswith(f"OSError {errno.ENOSPC} "), r.stdout
+        assert "free space in" in r.stdout
+        assert len(list(share.glob("shadow-*.bin"))) == 1  # the failed file is gone, the old one stays
+        version, tensors = HostShadow(share).load()  # the committed shadow is untouched
+        assert version == 1 and tensors["w"].tolist() == [1.0] * 100_000
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

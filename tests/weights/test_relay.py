@@ -1,6 +1,7 @@
 """Regional relays: one upstream fetch per blob for many clients, verified cache, fallback when killed."""
 
 import os
+import shutil
 import threading
 import time
 
@@ -129,3 +130,18 @@ def test_an_unusable_cache_dir_is_refused_at_start(tmp_path):
             Relay(["http://127.0.0.1:1"], cache)
     Relay(["http://127.0.0.1:1"], tmp_path / "new" / "cache").close()  # created on demand
     assert sorted(p.name for p in (tmp_path / "new" / "cache").iterdir()) == [".tmp", "blobs", "manifests"]
+
+
+def test_a_relay_whose_cache_is_deleted_or_truncated_while_serving_fetches_again(tmp_path):
+    store, blobs = make_store(tmp_path / "s", {"w": 30_000})
+    key = store.manifest(0).blobs["w"].key
+    cache = tmp_path / "cache"
+    with serve_store(store) as upstream, Relay([upstream.url], cache, retries=0) as relay:
+        with WeightClient(relay.url, retries=0) as client:
+            assert client.download(client.manifest(0).blobs) == blobs
+            shutil.rmtree(cache)  # e.g. a cleanup job under a running relay
+            assert client.download(client.manifest(0).blobs) == blobs
+            assert relay.stats()["upstream_blob_fetches"] == 2
+            (cache / "blobs" / key).write_bytes(blobs["w"][:100])  # a verified file that changed size
+            assert client.download(client.manifest(0).blobs) == blobs
+            assert relay.stats()["upstream_blob_fetches"] == 3

@@ -11,7 +11,13 @@ import uuid
 import pytest
 
 from tandem.weights.client import WeightClient
-from tandem.weights.errors import CorruptBlobError, NotAStoreError, StoreLockedError, VersionNotFoundError
+from tandem.weights.errors import (
+    CorruptBlobError,
+    NotAStoreError,
+    StoreLockedError,
+    VersionNotFoundError,
+    WeightStoreError,
+)
 from tandem.weights.s3 import S3Backend
 from tandem.weights.store import WeightStore
 from tandem.weights.transport import serve_store
@@ -126,3 +132,88 @@ def test_an_s3_store_is_served_over_http(s3_endpoint):
         assert client.latest() == 0
         assert client.download(client.manifest(0).blobs) == blobs
     store.close()
+
+
+def _dead_holder():
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    return {"pid": int(dead.stdout), "host": socket.gethostname(), "token": "old", "since": time.time() - 60}
+
+
+def test_two_publishers_breaking_the_same_stale_lock_get_one_writer(s3_endpoint):
+    bucket = new_bucket()
+    first = WeightStore(backend(s3_endpoint, bucket, create=True), create=True)
+    first.backend.put("writer.lock", json.dumps(_dead_holder()).encode())
+    second = WeightStore(backend(s3_endpoint, bucket))  # its own S3 client
+    taken = []
+
+    def rival_takes_over(**kwargs):
+        # Fires as `first` is about to delete the stale lock it read: `second` breaks the same stale lock and
+        # takes it in between (a real interleaving of two publishers, forced through boto3's event hooks).
+        if not taken:
+            second.acquire_writer()
+            taken.append(json.loads(second.backend.get("writer.lock"))["token"])
+
+    first.backend.client.meta.events.register_first("before-call.s3.DeleteObject", rival_takes_over)
+    with pytest.raises(StoreLockedError, match="already has a publisher"):
+        first.acquire_writer()
+    assert taken and json.loads(first.backend.get("writer.lock"))["token"] == taken[0]
+    second.publish(0, None, "full", "h0", {"a": b"0"})  # `second` still holds it
+    first.close()
+    second.close()
+    assert not second.backend.exists("writer.lock")
+
+
+def test_missing_bucket_is_named_and_one_is_created_in_the_clients_region(s3_endpoint):
+    bucket = new_bucket()
+    with pytest.raises(WeightStoreError, match=f"S3 bucket '{bucket}' .* does not exist; check the bucket"):
+        WeightStore.open(f"s3://{bucket}/runs/one", endpoint_url=s3_endpoint)
+    regional = S3Backend(bucket, "p", endpoint_url=s3_endpoint, region_name="eu-west-1", create_bucket=True)
+    store = WeightStore(regional, create=True)
+    store.publish(0, None, "full", "h0", {"a": b"0"})
+    store.close()
+    location = regional.client.get_bucket_location(Bucket=bucket)["LocationConstraint"]
+    assert location == "eu-west-1"
+    S3Backend(
+        bucket, "p", endpoint_url=s3_endpoint, region_name="eu-west-1", create_bucket=True
+    )  # exists: ok
+    with pytest.raises(WeightStoreError, match="cannot create S3 bucket 'ab' .*create the bucket yourself"):
+        S3Backend("ab", "p", endpoint_url=s3_endpoint, create_bucket=True)  # too short: S3 refuses it
+
+
+def test_gc_of_a_store_at_the_bucket_root_leaves_other_data_alone(s3_endpoint):
+    bucket = new_bucket()
+    nested = WeightStore(
+        S3Backend(bucket, "blobs/team-b", endpoint_url=s3_endpoint, create_bucket=True), create=True
+    )
+    nested.publish(0, None, "full", "n0", {"a": b"team b's weights"})
+    nested.close()
+    root = WeightStore(S3Backend(bucket, "", endpoint_url=s3_endpoint), create=True)
+    root.backend.put("blobs/notes.txt", b"someone else's")
+    root.publish(0, None, "full", "h0", {"a": b"0"})
+    root.publish(1, None, "full", "h1", {"a": b"1"})
+    report = root.gc(keep_last=1)
+    assert report.deleted_versions == [0] and report.deleted_blobs == 1
+    assert root.backend.get("blobs/notes.txt") == b"someone else's"
+    again = WeightStore(S3Backend(bucket, "blobs/team-b", endpoint_url=s3_endpoint))
+    assert again.blobs(again.manifest(0).blobs) == {"a": b"team b's weights"}
+    root.close()
+
+
+def test_missing_credentials_are_named_with_what_to_set(s3_endpoint, monkeypatch, tmp_path):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(WeightStoreError, match="lack of valid credentials.*set AWS_ACCESS_KEY_ID") as info:
+        WeightStore.open("s3://some-bucket/runs/one", endpoint_url=s3_endpoint)
+    assert "s3://some-bucket/runs/one" in str(info.value)
+
+
+def test_a_malformed_prefix_is_refused_naming_it(s3_endpoint):
+    for prefix in ("runs//one", "runs/../other", "./runs", "runs/\none"):
+        with pytest.raises(WeightStoreError, match="S3 prefix .* is malformed"):
+            WeightStore.open(f"s3://some-bucket/{prefix}", endpoint_url=s3_endpoint)
+    assert S3Backend("some-bucket", "/runs/one/", endpoint_url=s3_endpoint).prefix == "runs/one"

@@ -230,6 +230,46 @@ def test_gc_keeps_everything_readers_may_still_need(tmp_path):
         store.gc(keep_last=0)
 
 
+def test_gc_deletes_only_the_stores_own_keys(tmp_path):
+    # A store created in a directory that holds other data under ``blobs/`` (or a store nested there):
+    # gc removes orphan blobs of its own and nothing else.
+    root = tmp_path / "s"
+    (root / "blobs" / "photos").mkdir(parents=True)
+    (root / "blobs" / "photos" / "cat.jpg").write_bytes(b"meow")
+    (root / "blobs" / "README").write_bytes(b"someone else's")
+    nested = WeightStore.open(root / "blobs" / "nested", create=True)
+    nested.publish(0, None, "full", "n0", {"w": b"nested store"})
+    nested.close()
+    store = WeightStore.open(root, create=True)
+    store.publish(0, None, "full", "h0", {"w": b"0"})
+    store.publish(1, None, "full", "h1", {"w": b"1"})
+    orphan = b"left behind by a failed publish"
+    store.backend.put(f"blobs/{sha(orphan)}", orphan)
+    report = store.gc(keep_last=1)
+    assert report.deleted_versions == [0] and report.deleted_blobs == 2  # v0's blob and the orphan
+    assert (root / "blobs" / "photos" / "cat.jpg").read_bytes() == b"meow"
+    assert (root / "blobs" / "README").read_bytes() == b"someone else's"
+    again = WeightStore.open(root / "blobs" / "nested")
+    assert again.blobs(again.manifest(0).blobs) == {"w": b"nested store"}
+    store.close()
+
+
+def test_gc_by_a_publisher_whose_lock_was_taken_deletes_nothing(tmp_path):
+    first = WeightStore.open(tmp_path / "s", create=True)
+    first.publish(0, None, "full", "h0", {"w": b"0"})
+    (tmp_path / "s" / "writer.lock").unlink()  # an operator removed the lock, believing `first` gone
+    second = WeightStore.open(tmp_path / "s")
+    second.acquire_writer()
+    in_flight = b"the new publisher's blob; its manifest is not written yet"
+    second.backend.put(f"blobs/{sha(in_flight)}", in_flight)
+    with pytest.raises(StoreLockedError, match="writer.lock .* was removed or replaced"):
+        first.gc()
+    assert second.backend.get(f"blobs/{sha(in_flight)}") == in_flight
+    second.publish(1, 0, "delta", "h1", {"w": in_flight})
+    assert second.blobs(second.manifest(1).blobs) == {"w": in_flight}
+    second.close()
+
+
 def test_second_publisher_is_refused_until_the_first_closes(tmp_path):
     first = WeightStore.open(tmp_path / "s", create=True)
     first.publish(0, None, "full", "h0", {"w": b"0"})

@@ -395,3 +395,57 @@ def test_a_store_manifest_naming_another_version_is_refused_not_followed(tmp_pat
         store.plan(None, 5)
     with pytest.raises(ManifestError, match="names version 8, not 5"):
         store.plan(3, 5)
+
+
+def test_a_full_server_closes_its_longest_idle_connection_for_a_new_one(tmp_path):
+    store, manifest, blobs = make_store(tmp_path / "s", {"w": 400_000})
+    with serve_store(store, max_connections=4) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(3)]
+        idle[1].sendall(b"GET /v1/weights/latest HTTP/1.1\r\n")  # a slowloris: headers never finished
+        wait_for(lambda: len(server._connections) == 3)
+        with WeightClient([server.url], retries=0, parallel=2, part_size=100_000) as client:
+            assert client.download(manifest.blobs) == blobs
+        assert server.stats.snapshot()["evicted_idle_connections"] >= 1
+        assert idle[0].recv(1) == b""  # the longest idle was closed first
+        for s in idle:
+            s.close()
+
+
+def test_a_server_whose_connections_are_all_busy_refuses_a_new_one_and_keeps_serving(tmp_path):
+    store, manifest, blobs = make_store(tmp_path / "s", {"w": 300_000})
+    key = manifest.blobs["w"].key
+    # 200 kB/s for the whole server: two streams of 300 kB stay busy for about 3 s
+    with serve_store(store, max_connections=2, bandwidth_bytes_per_s=200_000) as server:
+        results = []
+        threads = [
+            threading.Thread(target=lambda: results.append(get(server.url, f"/v1/weights/blobs/{key}")[1]))
+            for _ in range(2)
+        ]
+        for t in threads:
+            t.start()
+        wait_for(lambda: server.stats.snapshot().get("streams_in_flight", 0) == 2)
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            assert s.recv(1) == b""  # refused: closed at once, not left waiting behind the busy ones
+        assert server.stats.snapshot()["refused_connections"] == 1
+        for t in threads:
+            t.join(timeout=60)
+        assert results == [blobs["w"]] * 2
+        with WeightClient([server.url], retries=0) as client:
+            assert client.latest() == 0
+
+
+def test_a_request_body_is_never_taken_for_the_next_request(tmp_path):
+    store, _, _ = make_store(tmp_path / "s", {"w": 100})
+    smuggled = b"GET /v1/weights/stats HTTP/1.1\r\n\r\n"
+    with serve_store(store) as server:
+        for framing in (b"Content-Length: %d\r\n" % len(smuggled), b"Transfer-Encoding: chunked\r\n"):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+                s.sendall(b"GET /v1/weights/latest HTTP/1.1\r\n" + framing + b"\r\n" + smuggled)
+                data = b""
+                while chunk := s.recv(65536):  # the server closes the connection after its answer
+                    data += chunk
+            assert data.startswith(b"HTTP/1.1 200 ") and data.endswith(b'{"version": 0}'), data
+            assert data.count(b"HTTP/1.1") == 1
+        assert server.stats.snapshot()["requests"] == 2  # one per connection: nothing smuggled in

@@ -10,7 +10,10 @@ Invariants:
 - A missing key raises ``MissingKeyError`` naming the key and the store.
 - Writer locks: one holder per store. ``FileLock`` is an ``O_CREAT|O_EXCL`` file holding pid/host/token,
   kept ``flock``-ed while held; a lock whose holder died on this host (no ``flock`` and pid gone, or pid
-  reused) is broken automatically. ``ObjectLock`` is the same over ``put_if_absent`` for object stores.
+  reused) is broken automatically. ``ObjectLock`` is the same over ``put_if_absent`` for object stores; a
+  stale one is deleted only while it is still the lock that was judged stale (``delete_if_unchanged``
+  where the backend has it: S3's ``If-Match``), so two publishers breaking the same stale lock never both
+  end up holding it.
 """
 
 from __future__ import annotations
@@ -335,20 +338,38 @@ class ObjectLock:
         for attempt in range(2):
             if backend.put_if_absent(key, data):
                 return cls(backend, key, owner)
-            holder = cls._holder(backend, key)
+            holder, tag = cls._read(backend, key)
             if attempt == 0 and cls._stale(holder):
-                backend.delete(key)
+                # Only the lock judged stale: a rival may have broken it and taken a new one meanwhile
+                # (then our retry is refused, naming that rival).
+                cls._delete(backend, key, tag)
                 continue
             raise locked_error(backend.describe(), key, holder)
         raise locked_error(backend.describe(), key, cls._holder(backend, key))
 
     @staticmethod
-    def _holder(backend: BlobBackend, key: str) -> dict[str, Any]:
+    def _read(backend: BlobBackend, key: str) -> tuple[dict[str, Any], str | None]:
+        """The holder and, where the backend tags values (``get_tagged``), the lock value's tag."""
+        get_tagged = getattr(backend, "get_tagged", None)
         try:
-            holder = json.loads(backend.get(key))
+            raw, tag = get_tagged(key) if get_tagged is not None else (backend.get(key), None)
+            holder = json.loads(raw)
         except (MissingKeyError, ValueError):
-            return {}
-        return holder if isinstance(holder, dict) else {}
+            return {}, None
+        return (holder, tag) if isinstance(holder, dict) else ({}, tag)
+
+    @staticmethod
+    def _delete(backend: BlobBackend, key: str, tag: str | None) -> None:
+        """Delete the lock value read with ``tag`` (unconditionally on backends without tags)."""
+        delete_if_unchanged = getattr(backend, "delete_if_unchanged", None)
+        if tag is not None and delete_if_unchanged is not None:
+            delete_if_unchanged(key, tag)
+        else:
+            backend.delete(key)
+
+    @classmethod
+    def _holder(cls, backend: BlobBackend, key: str) -> dict[str, Any]:
+        return cls._read(backend, key)[0]
 
     @staticmethod
     def _stale(holder: dict[str, Any]) -> bool:
@@ -368,5 +389,6 @@ class ObjectLock:
         if not self._held:
             return
         self._held = False
-        if self._holder(self.backend, self.key).get("token") == self.owner["token"]:
-            self.backend.delete(self.key)
+        holder, tag = self._read(self.backend, self.key)
+        if holder.get("token") == self.owner["token"]:
+            self._delete(self.backend, self.key, tag)

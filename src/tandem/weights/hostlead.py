@@ -12,13 +12,16 @@ Invariants:
   the new version against the store's hash; on any failure it is dropped (the next leader recovers from a
   snapshot), so no patch is ever written from unverified weights.
 - A patch ``base -> version`` is written for every delta step that moved a verified shadow; a full step (a
-  first load, a recovery) writes none.
+  first load, a recovery) writes none. A patch that cannot be written (a full ``/dev/shm``: ``OSError``)
+  is logged and leaves no file; the step then has no patch (``written`` None) but the verified shadow, from
+  which engines patch or reload, so a full share never fails a sync that the shadow can serve.
 - ``HostLeader.advance`` is a no-op when the shadow is already at or past the target; its download, decode
   and verification run ``nice`` levels below its process, like an engine's store work.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +36,8 @@ from tandem.weights.client import WeightClient
 from tandem.weights.follow import Advance, WeightFollower
 from tandem.weights.hostshadow import HostShadow
 from tandem.weights.hostshare import HostShare, Patches
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,8 +98,12 @@ def lead_step(
         follower.shadow, follower.version = None, None  # the shadow is only used under the lock
     written = None
     if not adv.full and base is not None and base < target:
-        written = patch_of(adv.changes, tensors, adv.values)
-        share.write(base, target, written)
+        patch = patch_of(adv.changes, tensors, adv.values)
+        try:
+            share.write(base, target, patch)
+            written = patch
+        except OSError as e:  # module invariants: the shadow still serves this step
+            log.warning("host share %s: patch %d -> %d not written (%s)", share.path, base, target, e)
     return LeadResult(base, target, adv, tensors, written)
 
 

@@ -20,6 +20,9 @@ Invariants:
   from a snapshot), so a half-written shadow is never taken for a version.
 - The state file changes by atomic rename; a new layout goes to a new file, and older files are removed
   (a process that still maps one keeps its mapping, but ``load`` re-maps whenever the state names another).
+- A new shadow file has all its blocks allocated before it is mapped (``posix_fallocate``): a full
+  ``/dev/shm`` is an ``OSError`` from ``commit`` (the new file removed, the state unchanged), never a
+  ``SIGBUS`` that kills the process when a store to a sparse page finds no memory.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class HostShadow:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)  # normally the share's (checked there)
         self.tensors: dict[str, np.ndarray] | None = None  # views into the mapped file named ``_file``
         self._file: str | None = None
         self._layout: list[list[object]] | None = None
@@ -141,10 +144,18 @@ class HostShadow:
 
     def _create(self, layout: list[list[object]], size: int) -> None:
         name = f"shadow-{uuid.uuid4().hex}.bin"  # never reused: a stale mapping can never match the state
-        with open(self.path / name, "wb") as f:
-            f.truncate(max(size, 1))
+        path = self.path / name
+        try:
+            with open(path, "wb") as f:
+                os.posix_fallocate(f.fileno(), 0, max(size, 1))  # module invariants: no SIGBUS when full
+        except OSError as e:
+            path.unlink(missing_ok=True)
+            why = f"host shadow: cannot allocate {size} bytes for {path} ({e.strerror})"
+            todo = f"free space in {self.path.parent} or turn weights.host_share off"
+            raise OSError(e.errno, f"{why}; {todo}") from None
         if not self._map(name, layout):
-            raise OSError(f"host shadow: could not map the new file {self.path / name}")
+            path.unlink(missing_ok=True)
+            raise OSError(f"host shadow: could not map the new file {path}")
 
     def _collect(self) -> None:
         for p in self.path.glob("shadow-*.bin"):

@@ -23,7 +23,13 @@ Invariants:
   while it advances and writes one, so the other engines of the host wait for that patch instead of
   decoding the same step in parallel. Reading a patch needs no lock, so the engines waiting for a step read
   its patch in parallel once the leader releases the lock. Locks end with their process.
-- The writer keeps the newest ``keep`` patch files and removes older ones.
+- The directory is this user's alone: created ``0700``, and an existing one that another user owns or that
+  group or others may write is refused (``PermissionError`` naming it). A patch's BLAKE3 digest detects
+  damage, not forgery, so whoever can write the directory could otherwise plant patches the engines apply.
+- The writer keeps the newest ``keep`` patch files (by target version) and removes older ones; only names
+  of the form ``AAAAAAAA-BBBBBBBB.patch`` are patches. Temporary files a writer killed mid-write left behind
+  (``.tmp-*``) are removed by the next write, which holds the exclusive lock, so no other write is in
+  progress; they never count among the kept patches.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import fcntl
 import json
 import mmap
 import os
+import re
 import struct
 import tempfile
 from collections.abc import Iterator
@@ -45,6 +52,7 @@ Patches = dict[str, tuple[np.ndarray, np.ndarray]]
 """Tensor name -> (sorted flat int64 indices, new values at them), values in the shadow's dtype."""
 
 MAGIC = b"TPATCH1\n"
+_NAME = re.compile(r"^([0-9]{8})-([0-9]{8})\.patch$")
 _LEN = struct.Struct("<Q")
 
 
@@ -54,6 +62,18 @@ def default_share_root() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
+def check_private_dir(path: Path) -> None:
+    """Raise ``PermissionError`` naming ``path`` unless it is a directory owned by this process's user that
+    neither group nor others may write (module invariants)."""
+    st = path.stat()
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise PermissionError(
+            f"host share directory {str(path)!r} is owned by uid {st.st_uid} with mode "
+            f"{st.st_mode & 0o777:o}; it must belong to this user (uid {os.geteuid()}) and be writable by it "
+            "alone: remove it, or use another directory (weights.host_share = false turns the share off)"
+        )
+
+
 class HostShare:
     """A host share directory (see module invariants). ``path`` is created if needed."""
 
@@ -61,7 +81,8 @@ class HostShare:
         if keep < 1:
             raise ValueError(f"keep={keep} must be >= 1: the newest patch must stay readable")
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_private_dir(self.path)
         self.keep = keep
         self._lock_path = self.path / "lock"
 
@@ -114,8 +135,16 @@ class HostShare:
     def find(self, a: int, upto: int) -> int | None:
         """The newest version ``b <= upto`` a patch from version ``a`` reaches, or None (a directory listing:
         nothing is read or checked)."""
-        found = [b for f in self.path.glob(f"{a:08d}-*.patch") if a < (b := int(f.name[9:17])) <= upto]
+        found = [b for f in self._patches() if f[0] == a and a < (b := f[1]) <= upto]
         return max(found) if found else None
+
+    def _patches(self) -> list[tuple[int, int, Path]]:
+        """``(a, b, path)`` of every patch file (names of other files are ignored)."""
+        out = []
+        for p in self.path.iterdir():
+            if (m := _NAME.match(p.name)) is not None:
+                out.append((int(m[1]), int(m[2]), p))
+        return out
 
     def read(self, a: int, upto: int) -> tuple[int, Patches] | None:
         """The patch from version ``a`` to the newest version ``b <= upto`` one reaches, as ``(b, patches)``,
@@ -138,8 +167,11 @@ class HostShare:
         return (b, patches) if (patches := _parse(data, a, b)) is not None else None
 
     def _collect(self) -> None:
-        files = sorted(self.path.glob("*.patch"), key=lambda p: p.name[9:17])
-        for old in files[: -self.keep]:
+        """Remove all but the newest ``keep`` patches, and temporary files of writers that died (called by
+        ``write``, under the exclusive lock: see module invariants)."""
+        files = sorted(self._patches(), key=lambda f: (f[1], f[0]))
+        stale = list(self.path.glob(".tmp-*.patch"))
+        for old in [f[2] for f in files[: -self.keep]] + stale:
             with contextlib.suppress(OSError):
                 old.unlink()
 

@@ -7,7 +7,9 @@ Invariants:
   is not cached yet wait on the single in-flight fetch (``stats()["coalesced"]``), and a failed fetch is
   reported to every waiter and retried by the next request.
 - Only verified blobs enter the cache (the upstream client checks every hash; cache files from an earlier
-  run are re-hashed once before they are served). Cache writes are atomic.
+  run are re-hashed once before they are served). Cache writes are atomic. A verified cache file that is
+  gone or has another size when a request comes (the cache directory was cleaned or deleted under the
+  running relay) is fetched and verified again, so the relay keeps serving instead of failing that blob.
 - Manifests are immutable and cached in memory after one upstream fetch; ``latest`` is forwarded and cached
   for ``latest_ttl_s`` (0: always forwarded), and a cached value is served if upstream is unreachable.
 - The cache directory is created and test-written on construction: an unusable one is a
@@ -68,7 +70,7 @@ class Relay:
         self.latest_ttl_s = latest_ttl_s
         self._mutex = threading.Lock()
         self._inflight: dict[str, Future[None]] = {}
-        self._verified: set[str] = set()
+        self._verified: dict[str, int] = {}  # key -> size of its verified cache file
         self._sizes: dict[str, int] = {}
         self._manifests: dict[int, bytes] = {}
         self._latest: tuple[float, int | None] | None = None
@@ -153,9 +155,20 @@ class Relay:
         return body
 
     def open_blob(self, key: str) -> BlobReader:
-        self._ensure(key)
         cache_key = f"blobs/{key}"
-        return BlobReader(self.cache.size(cache_key), lambda s, e: self.cache.get_range(cache_key, s, e))
+        for attempt in range(2):
+            self._ensure(key)
+            try:
+                size = self.cache.size(cache_key)
+            except MissingKeyError:
+                size = -1
+            with self._mutex:
+                if size == self._verified.get(key) or attempt == 1:
+                    break
+                self._verified.pop(key, None)  # removed or changed since it was verified: fetch it again
+        if size < 0:
+            raise MissingKeyError(f"key {cache_key!r} does not exist in relay cache {self.cache.describe()}")
+        return BlobReader(size, lambda s, e: self.cache.get_range(cache_key, s, e))
 
     # ---- single-flight cache fill ----
 
@@ -185,22 +198,24 @@ class Relay:
                 self._inflight.pop(key, None)
 
     def _fill(self, key: str) -> None:
-        if self._cached_ok(key):
+        size = self._cached_ok(key)
+        if size is not None:
             self._count("cache_hits")
         else:
             data = self.upstream.blob(key, self._sizes.get(key))
             self.cache.put(f"blobs/{key}", data)
+            size = len(data)
             self._count("upstream_blob_fetches")
         with self._mutex:
-            self._verified.add(key)
+            self._verified[key] = size
 
-    def _cached_ok(self, key: str) -> bool:
-        """A cache file from an earlier run counts only if it still hashes to its address."""
+    def _cached_ok(self, key: str) -> int | None:
+        """The size of a cache file from an earlier run if it still hashes to its address, else None."""
         try:
             data = self.cache.get(f"blobs/{key}")
         except MissingKeyError:
-            return False
+            return None
         if hashlib.sha256(data).hexdigest() == key:
-            return True
+            return len(data)
         self.cache.delete(f"blobs/{key}")
-        return False
+        return None

@@ -5,7 +5,15 @@ Invariants:
   with one put is either fully visible or absent.
 - ``put_if_absent`` uses a conditional put (``If-None-Match: *``). Where the server does not implement it,
   it falls back to check, put, then read back and compare the bytes (a weaker, racy guarantee).
-- Missing keys raise ``MissingKeyError``; other S3 failures raise ``WeightStoreError`` naming bucket and key.
+- Missing keys raise ``MissingKeyError``; other S3 failures raise ``WeightStoreError`` naming bucket and key
+  (a missing bucket, a bucket that cannot be created and missing or refused credentials name the bucket
+  and say what to do).
+- The prefix is ``/``-separated names, none empty, ``.`` or ``..`` (servers disagree on what such keys
+  mean: AWS keeps them literally, others normalise or refuse them), else ``WeightStoreError`` naming it.
+- ``create_bucket`` creates the bucket in the client's region (with the ``LocationConstraint`` every region
+  but ``us-east-1`` requires); a bucket created meanwhile by this account is not an error.
+- ``delete_if_unchanged`` deletes a key only while it still has the ETag the caller read (``If-Match``), so
+  breaking a stale writer lock never deletes a lock another publisher has just taken instead.
 """
 
 from __future__ import annotations
@@ -17,6 +25,9 @@ from tandem.weights.errors import MissingKeyError, WeightStoreError
 
 _MISSING = {"NoSuchKey", "404", "NotFound"}
 _PRECONDITION = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+_CREDENTIALS = {
+    "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken", "403"
+}  # fmt: skip
 
 
 class S3Backend:
@@ -36,6 +47,12 @@ class S3Backend:
             raise WeightStoreError("S3 bucket name is empty; pass the bucket that holds the weight store")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
+        parts = self.prefix.split("/") if self.prefix else []
+        if any(p in ("", ".", "..") or not p.isprintable() for p in parts):
+            raise WeightStoreError(
+                f"S3 prefix {prefix!r} of bucket {bucket!r} is malformed: use '/'-separated names without "
+                "empty, '.' or '..' parts or control characters (e.g. runs/one)"
+            )
         self.endpoint_url = endpoint_url
         if client is None:
             import boto3  # lazy: only S3 users pay for boto3's import time
@@ -44,6 +61,7 @@ class S3Backend:
             client = session.client("s3", endpoint_url=endpoint_url, region_name=region_name, **client_kwargs)
         self.client = client
         self._conditional = True
+        self._conditional_delete = True
         if create_bucket:
             self._ensure_bucket()
 
@@ -57,15 +75,42 @@ class S3Backend:
         except Exception as e:
             if _code(e) not in _MISSING:
                 raise self._error("head bucket", "", e) from e
-            self.client.create_bucket(Bucket=self.bucket)
+        else:
+            return
+        region = getattr(getattr(self.client, "meta", None), "region_name", None)
+        config = {} if region in (None, "us-east-1") else {"LocationConstraint": region}
+        try:
+            if config:
+                self.client.create_bucket(Bucket=self.bucket, CreateBucketConfiguration=config)
+            else:
+                self.client.create_bucket(Bucket=self.bucket)
+        except Exception as e:
+            if _code(e) in {"BucketAlreadyOwnedByYou"}:
+                return  # another process of ours created it meanwhile
+            raise WeightStoreError(
+                f"cannot create S3 bucket {self.bucket!r} for store {self.describe()} (region {region}): "
+                f"{e}; create the bucket yourself, or pass a valid bucket name you may create"
+            ) from e
 
     def _key(self, key: str) -> str:
         check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _error(self, op: str, key: str, e: Exception) -> Exception:
-        if _code(e) in _MISSING:
+        code = _code(e)
+        if code == "NoSuchBucket":
+            return WeightStoreError(
+                f"S3 bucket {self.bucket!r} of store {self.describe()} does not exist; check the bucket name "
+                "(and endpoint), or create the bucket (WeightStore.open(..., create=True) creates it)"
+            )
+        if code in _MISSING:
             return MissingKeyError(f"key {key!r} does not exist in store {self.describe()}")
+        if code in _CREDENTIALS or type(e).__name__ in {"NoCredentialsError", "PartialCredentialsError"}:
+            return WeightStoreError(
+                f"S3 {op} of {key!r} in {self.describe()} was refused for lack of valid credentials: {e}; "
+                "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to an identity that may "
+                f"read and write s3://{self.bucket}/{self.prefix}"
+            )
         return WeightStoreError(f"S3 {op} of {key!r} in {self.describe()} failed: {e}")
 
     def put(self, key: str, data: bytes) -> None:
@@ -141,6 +186,39 @@ class S3Backend:
         except Exception as e:
             if _code(e) not in _MISSING:
                 raise self._error("delete", key, e) from e
+
+    def get_tagged(self, key: str) -> tuple[bytes, str]:
+        """The value and its ETag (for ``delete_if_unchanged``)."""
+        try:
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+            return resp["Body"].read(), str(resp.get("ETag", ""))
+        except Exception as e:
+            raise self._error("get", key, e) from e
+
+    def delete_if_unchanged(self, key: str, etag: str) -> bool:
+        """Delete ``key`` only if its ETag is still ``etag``; False if it changed or is gone. A server
+        without conditional deletes gets a plain delete after comparing the ETag (a narrower race)."""
+        if self._conditional_delete:
+            try:
+                self.client.delete_object(Bucket=self.bucket, Key=self._key(key), IfMatch=etag)
+                return True
+            except Exception as e:
+                code = _code(e)
+                if code in _PRECONDITION or code in _MISSING:
+                    return False
+                if code not in {"NotImplemented", "501"}:
+                    raise self._error("conditional delete", key, e) from e
+                self._conditional_delete = False
+        try:
+            current = self.client.head_object(Bucket=self.bucket, Key=self._key(key)).get("ETag")
+        except Exception as e:
+            if _code(e) in _MISSING:
+                return False
+            raise self._error("head", key, e) from e
+        if current != etag:
+            return False
+        self.delete(key)
+        return True
 
     def acquire_lock(self, key: str) -> ObjectLock:
         return ObjectLock.acquire(self, key)

@@ -16,7 +16,11 @@ Invariants:
 - One writer per store: ``publish`` and ``gc`` take the backend's writer lock (held until ``close``); a
   second writer gets ``StoreLockedError`` naming the holder.
 - ``gc`` never deletes a blob that a kept manifest references, and deletes manifests before blobs, so a
-  crash mid-gc never leaves a visible manifest pointing at deleted blobs.
+  crash mid-gc never leaves a visible manifest pointing at deleted blobs. It deletes only keys the store
+  names (``manifests/v{8 digits}.json``, ``blobs/{sha256}``): anything else under the store's location (a
+  directory or prefix shared with other data, a store nested under ``blobs/``) is left alone. It first
+  checks that the writer lock is still its own (``StoreLockedError`` otherwise, nothing deleted): a
+  publisher whose lock was removed and taken by another must not delete that one's blobs in flight.
 """
 
 from __future__ import annotations
@@ -344,6 +348,8 @@ class WeightStore:
             raise ValueError(f"keep_last must be >= 1 (the latest version is always kept), got {keep_last}")
         with self._write_mutex:
             self.acquire_writer()
+            assert self._lock is not None
+            self._lock.verify()  # another publisher may have taken the store: delete nothing of its
             versions = self.versions()
             if not versions:
                 return GcReport(None)
@@ -386,8 +392,8 @@ class WeightStore:
             referenced |= self.manifest(version).keys()
         for key in self.backend.list(BLOB_PREFIX):
             sha = key[len(BLOB_PREFIX) :]
-            if sha in referenced:
-                continue
+            if sha in referenced or not is_sha256(sha):
+                continue  # referenced, or not a blob of this store (module invariants)
             try:
                 report.freed_bytes += self.backend.size(key)
             except MissingKeyError:

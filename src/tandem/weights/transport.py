@@ -11,17 +11,31 @@ Routes (GET and HEAD):
 
 Invariants: a blob is sent only after its bytes were checked against its address (once per process per
 blob; a corrupt blob is answered 502 and never sent); a bad request gets an error status and a JSON
-``{"error": ...}`` body and the server keeps running; ``close()`` stops accepting, aborts transfers in flight
-(clients see a short read and resume elsewhere) and returns promptly. The optional bandwidth limit is one
-token bucket for the whole server (all connections share it, like one uplink).
+``{"error": ...}`` body and the server keeps running; a request that declares a body (no route reads one)
+is answered and its connection closed, so the body is never parsed as a request; ``close()`` stops
+accepting, aborts transfers in flight (clients see a short read and resume elsewhere) and returns promptly.
+The optional bandwidth limit is one token bucket for the whole server (all connections share it, like one
+uplink).
+
+Connections: one thread each, at most ``max_connections`` at once (default from the process's open-file
+limit, ``default_max_connections``, so sockets never exhaust the descriptors the server needs to accept and
+to read blobs). A connection is *idle* while it waits for a request or its request's headers are still
+arriving; a new connection beyond the cap closes the longest-idle one (its client, if well-behaved, retries
+on a fresh connection), and is refused (closed at once, ``refused_connections``) only when every connection
+is busy sending a response. So idle or slowloris connections, however many, never keep a well-behaved
+client out, and an ``accept`` that fails for lack of descriptors frees an idle one and backs off instead of
+spinning.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import resource
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -153,17 +167,54 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     return start, size if stop is None else min(size, stop + 1)
 
 
+FD_RESERVE = 64
+"""Descriptors kept free of connections: the listening socket, log files, blob reads, a store's clients."""
+MAX_CONNECTIONS = 1024
+"""Upper bound of the default cap (one thread per connection)."""
+_ACCEPT_BACKOFF_S = 0.05
+
+
+def default_max_connections() -> int:
+    """Connections a server admits at once: half the descriptors left after ``FD_RESERVE`` (a connection
+    may hold a socket and a blob file), at least 4 and at most ``MAX_CONNECTIONS``."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(4, min(MAX_CONNECTIONS, (soft - FD_RESERVE) // 2))
+
+
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128
     owner: WeightServer
 
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            return super().get_request()
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                # Out of descriptors: free an idle connection and back off; without this the listening
+                # socket stays readable and the serve loop spins on failing accepts.
+                self.owner._evict_idle()
+                time.sleep(_ACCEPT_BACKOFF_S)
+            raise
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        return self.owner._admit(request)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.owner._untrack(request)  # no thread was started for it
+            raise
+
     def process_request_thread(self, request: Any, client_address: Any) -> None:
-        self.owner._track(request, True)
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.owner._track(request, False)
+            self.owner._untrack(request)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -180,6 +231,15 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
 
+    def handle_one_request(self) -> None:
+        self.server.owner._set_idle(self.connection, True)  # until this request's headers are in
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        self.server.owner._set_idle(self.connection, False)
+        return ok
+
     def do_GET(self) -> None:
         self._dispatch(head=False)
 
@@ -189,6 +249,10 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self, head: bool) -> None:
         owner = self.server.owner
         owner.stats.add("requests")
+        if self.headers.get("Transfer-Encoding") or self.headers.get("Content-Length", "0").strip() != "0":
+            # No route takes a body and none is read: close after answering, so its bytes are never taken
+            # for the next request on this connection (a smuggled request).
+            self.close_connection = True
         path = urlsplit(self.path).path.rstrip("/")
         try:
             if path == f"{PREFIX}/latest":
@@ -316,12 +380,17 @@ class WeightServer:
         host: str = "127.0.0.1",
         port: int = 0,
         bandwidth_bytes_per_s: float | None = None,
+        max_connections: int | None = None,
     ) -> None:
         self.source = source
         self.limiter = TokenBucket(bandwidth_bytes_per_s) if bandwidth_bytes_per_s else None
         self.stats = ServerStats()
         self.stopping = threading.Event()
-        self._connections: set[socket.socket] = set()
+        self.max_connections = default_max_connections() if max_connections is None else max_connections
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        # Every admitted connection -> the time it became idle (see module docstring), None while busy.
+        self._connections: dict[socket.socket, float | None] = {}
         self._conn_mutex = threading.Lock()
         self._httpd = _HTTPServer((host, port), _Handler)
         self._httpd.owner = self
@@ -336,12 +405,43 @@ class WeightServer:
         host = f"[{self.host}]" if ":" in str(self.host) else self.host
         return f"http://{host}:{self.port}"
 
-    def _track(self, sock: socket.socket, add: bool) -> None:
+    def _admit(self, sock: socket.socket) -> bool:
+        """Track a new connection, closing the longest-idle one to stay within ``max_connections``; False
+        (the caller closes it) when every admitted connection is busy."""
         with self._conn_mutex:
-            if add:
-                self._connections.add(sock)
-            else:
-                self._connections.discard(sock)
+            if len(self._connections) >= self.max_connections and not self._evict_idle_locked():
+                self.stats.add("refused_connections")
+                return False
+            self._connections[sock] = time.monotonic()
+            return True
+
+    def _evict_idle(self) -> bool:
+        with self._conn_mutex:
+            return self._evict_idle_locked()
+
+    def _evict_idle_locked(self) -> bool:
+        idle = [(since, id(sock), sock) for sock, since in self._connections.items() if since is not None]
+        if not idle:
+            return False
+        _, _, sock = min(idle)
+        del self._connections[sock]  # its thread's own untrack is then a no-op
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # its handler's blocked read returns at once and it exits
+        except OSError:
+            pass
+        self.stats.add("evicted_idle_connections")
+        return True
+
+    def _set_idle(self, sock: socket.socket, idle: bool) -> None:
+        """Mark a connection idle (keeping the time it became so, if it already was) or busy."""
+        with self._conn_mutex:
+            if sock in self._connections:
+                since = self._connections[sock]
+                self._connections[sock] = (since or time.monotonic()) if idle else None
+
+    def _untrack(self, sock: socket.socket) -> None:
+        with self._conn_mutex:
+            self._connections.pop(sock, None)
 
     def close(self) -> None:
         """Stop serving and abort every transfer in flight."""
@@ -367,7 +467,11 @@ class WeightServer:
 
 
 def serve_store(
-    store: WeightStore, host: str = "127.0.0.1", port: int = 0, bandwidth_bytes_per_s: float | None = None
+    store: WeightStore,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    bandwidth_bytes_per_s: float | None = None,
+    max_connections: int | None = None,
 ) -> WeightServer:
     """Serve ``store`` over HTTP (see the module docstring); ``bandwidth_bytes_per_s`` caps total egress."""
-    return WeightServer(StoreSource(store), host, port, bandwidth_bytes_per_s)
+    return WeightServer(StoreSource(store), host, port, bandwidth_bytes_per_s, max_connections)
