@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -121,6 +122,36 @@ def test_try_file_past_the_cap_or_not_a_file_is_refused(tmp_path: Path) -> None:
         ["try", task, "--solution", str(big), "--set", "sandbox.file_mb=1"], str(big), "sandbox.file_mb=1"
     )
     _refused(["try", task, "--solution", "/dev/null"], "'/dev/null'", "not a regular file")
+
+
+def test_try_solution_on_a_kernel_file_system_is_refused() -> None:
+    """Before: `--solution /proc` ended in "TypeError: object of type 'NoneType' has no len()" (a /proc file
+    with nothing to read yet), and `--solution /proc/kmsg` was read, as root taking the kernel's log messages
+    from the system's logger, and graded as a solution."""
+    task = "humaneval:HumanEval/0"
+    for path, kind in (
+        ("/proc", "proc"),
+        ("/proc/kmsg", "proc"),
+        ("/proc/self/status", "proc"),
+        ("/sys", "sysfs"),
+    ):
+        _refused(["try", task, "--solution", path], f"--solution {path!r} is on a {kind} file system")
+
+
+def test_try_dir_skips_names_that_are_not_utf8_as_a_snapshot_does(tmp_path: Path) -> None:
+    """Before: a file whose name is not UTF-8 beside a correct solution.py made the grading a sandbox error
+    ("UnicodeEncodeError: ... surrogates not allowed"), reward 0; a session's snapshot skips such names."""
+    sol = tmp_path / "sol"
+    sol.mkdir()
+    _canonical(sol)
+    (sol / "notes").mkdir()
+    for name in (b"bad\xff.py", b"notes/caf\xe9.txt"):
+        with open(os.fsencode(sol) + b"/" + name, "w") as f:
+            f.write("x = 1\n")
+    res = runner.invoke(app, ["try", "humaneval:HumanEval/0", "--solution", str(sol), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output.splitlines()[-1])
+    assert out["reward"] == 1.0 and out["flags"]["sandbox_error"] is False, out
 
 
 def test_try_dir_never_follows_links_out_of_it(tmp_path: Path) -> None:

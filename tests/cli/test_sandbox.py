@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,6 +85,9 @@ def test_bad_limits_exit_2_naming_the_flag(tmp_path: Path, flag: str, value: str
         ("--memory", "9999999999999", "--memory must be <= 16777216"),  # was bwrap's "--size ... is limited"
         ("--pids", "99999999", "--pids must be <= 4194304"),  # was exit 125 "ulimit: ... cannot modify limit"
         ("--memory", "8", "--memory must be at least 16 MB"),  # was "libm.so.6: failed to map segment"
+        ("--max-output", "2000000000", "--max-output must be <= 1073741824"),  # was a traceback
+        ("--pids", "1", "--pids must be at least 3"),  # was exit 1 "bwrap: Creating new namespace failed"
+        ("--pids", "2", "--pids must be at least 3"),  # was "tandem-exec: 1: Cannot fork"
     ],
 )
 def test_limits_past_what_the_kernel_takes_exit_2(tmp_path: Path, flag: str, value: str, needle: str) -> None:
@@ -105,3 +111,39 @@ def test_workspace_with_a_named_pipe_exits_2_naming_it(tmp_path: Path) -> None:
     r = runner.invoke(app, ["run", "--workspace", str(tmp_path), "--", "true"])
     assert r.exit_code == 2 and r.stderr.startswith("error: --workspace"), r.output
     assert "sub/pipe" in r.stderr and "named pipe" in r.stderr
+
+
+TANDEM = [sys.executable, "-c", "import sys; from tandem.cli.main import app; sys.argv[0] = 'tandem'; app()"]
+
+
+def test_workspace_holding_the_temp_dir_exits_2_before_copying(tmp_path: Path) -> None:
+    """Before: the copy of a workspace holding the temp dir (where that copy is made; `--workspace /` holds
+    /tmp) copied its own copy until the paths were too long, then printed a shutil.Error of every path."""
+    (tmp_path / "a.txt").write_text("hi")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = subprocess.run(
+        [*TANDEM, "sandbox", "run", "--workspace", str(tmp_path), "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=120,  # only detects a hang
+        env={**os.environ, "TMPDIR": str(tmp)},
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"error: --workspace {str(tmp_path)!r} holds the temp dir"), r.stderr
+    assert r.stderr.count("\n") == 1 and list(tmp.iterdir()) == []
+
+
+def test_workspace_on_a_kernel_file_system_exits_2() -> None:
+    """Before: `--workspace /proc` never started its command (the copy blocked reading /proc/kmsg)."""
+    r = subprocess.run(
+        [*TANDEM, "sandbox", "run", "--workspace", "/proc", "--", "true"],
+        capture_output=True,
+        text=True,
+        timeout=120,  # only detects a hang
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stderr == (
+        "error: --workspace '/proc' is on a proc file system (kernel files, which can block or never end "
+        "when read, not data to copy); pass a directory of ordinary files\n"
+    )

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from tandem.core.config import RunConfig, dump_config, load_config
@@ -53,6 +55,8 @@ def test_overrides_parse_toml_values(tmp_path):
         ("train.lr=nan", "train.lr`: Input should be a finite number"),
         ("train.lr=inf", "train.lr`: Input should be a finite number"),
         ("tasks.wall_time_s=-inf", "tasks.wall_time_s`: Input should be a finite number"),
+        ("tasks.wall_time_s=1e9", "tasks.wall_time_s"),  # an external harness's exec overflowed its wait
+        ("tasks.wall_time_s=0", "tasks.wall_time_s"),
         ("train.betas=[0.9,1.0]", "train.betas must each be in"),
         ("train.grad_clip=-1", "train.grad_clip must be >= 0"),
         ("train.weight_decay=-0.1", "train.weight_decay must be >= 0"),
@@ -132,6 +136,15 @@ def test_unreadable_files_and_values_are_config_errors(tmp_path):
         load_config(binary)
     with pytest.raises(ConfigError, match="is a directory"):
         load_config(tmp_path)
+    big = tmp_path / "big.toml"  # a comment: valid TOML, but no run config is 16 MiB
+    big.write_text("#" * (16 * 2**20 + 1))
+    with pytest.raises(ConfigError, match="big.toml is over 16 MiB"):
+        load_config(big)
+    # /proc/self/mem was an OSError (EIO) traceback, /proc/kmsg blocked for ever (and took the kernel's log)
+    for kernel_file in ("/proc/self/mem", "/proc/kmsg", "/sys/kernel/mm/transparent_hugepage/enabled"):
+        if os.path.exists(kernel_file):
+            with pytest.raises(ConfigError, match=f"config file {kernel_file} is on a (proc|sysfs) file"):
+                load_config(kernel_file)
     huge = tmp_path / "huge.toml"
     huge.write_text("[train]\nlr = " + "1" * 5000 + "\n")
     with pytest.raises(ConfigError, match="huge.toml: a value is too long to read"):
@@ -144,7 +157,8 @@ def test_unreadable_files_and_values_are_config_errors(tmp_path):
     "override",
     ["sandbox.file_mb=0", "sandbox.cpu_s=-1", "sandbox.max_output_bytes=-5", "sandbox.timeout_s=1e9",
      "sandbox.disk_mb=99999999999", "sandbox.pids=99999999", "sandbox.memory_mb=99999999999",
-     "sandbox.memory_mb=8", "sandbox.pids=0", "sandbox.timeout_s=0"],
+     "sandbox.memory_mb=8", "sandbox.pids=0", "sandbox.timeout_s=0",
+     "sandbox.pids=2"],  # bwrap (the default backend) and its init count too: "Cannot fork" in every call
 )  # fmt: skip
 def test_sandbox_limits_outside_what_the_kernel_takes_name_the_field(override):
     with pytest.raises(ConfigError, match=f"config field `{override.split('=')[0]}`"):

@@ -229,6 +229,21 @@ def test_output_is_truncated_with_marker() -> None:
         assert (r.stdout, r.truncated) == ("short\n", False)
 
 
+def test_commands_no_argv_can_carry_are_refused_whichever_way_they_start(sb: Sandbox) -> None:
+    """Before: a NUL in an argument ran a command line cut at the NUL when a spare launcher took it (exit 2,
+    "unexpected EOF while looking for matching"), and raised a bare ValueError when started afresh; a
+    timeout past ~24 days (the epoll wait's limit) raised OverflowError. Now both are a SandboxError naming
+    the value, on either path, and the sandbox keeps working."""
+    assert sb._spare is not None  # made at creation: the first exec goes through the spare launcher
+    for stdin in (None, "x"):  # with stdin the command starts afresh (no spare)
+        with pytest.raises(SandboxError, match="NUL"):
+            sb.exec(["sh", "-c", "echo cut\x00; echo rest"], stdin=stdin)
+    for bad in (float("inf"), 1e9, 30 * 24 * 3600.0, float("nan"), 0.0):
+        with pytest.raises(SandboxError, match="timeout_s"):
+            sb.exec(["true"], timeout_s=bad)
+    assert sb.exec(["echo", "alive"], timeout_s=7 * 24 * 3600).stdout == "alive\n"
+
+
 def test_read_write_reject_escapes(sb: Sandbox) -> None:
     assert (
         sb.exec(["sh", "-c", "ln -s /etc/passwd leak && ln -s / rootlink && ln -s solution.py ok"]).exit_code

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,45 @@ def test_copy_and_overlay_give_the_same_workspace(tmp_path: Path, cfg: SandboxCo
             r = s.exec(["python3", "-c", "import pkg.mod, pkg.added; print(pkg.mod.VALUE + pkg.added.A)"])
             views.append((s.snapshot(), r.stdout))
     assert views[0] == views[1] and views[0][1] == "2\n"
+
+
+COPY_INTO_ITSELF = """
+import sys
+from pathlib import Path
+from tandem.core.config import SandboxConfig
+from tandem.core.errors import SandboxError
+from tandem.sandbox import create_sandbox
+try:
+    # the plain backend: the test's temp dir is private to root, and the refusal is the backends' common part
+    config = SandboxConfig(backend="plain", workspace_mode=sys.argv[2])
+    create_sandbox(Path(sys.argv[1]), config).close()
+except SandboxError as e:
+    print(e)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("mode", ["overlay", "copy"])
+def test_a_workspace_holding_the_temp_dir_is_refused_not_copied_into_itself(tmp_path: Path, mode: str):
+    """Before: the copy of a directory holding the temp dir (a layer or a copy-mode workspace is made there)
+    took in its own growing copy until the paths were too long, and failed with a shutil.Error of every path
+    (with `/` as the workspace it would copy the host's disk into itself)."""
+    if mode == "overlay" and not overlay_available():
+        pytest.skip("overlayfs cannot be mounted here (not root)")
+    (tmp_path / "a.txt").write_text("hi")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = subprocess.run(
+        [sys.executable, "-c", COPY_INTO_ITSELF, str(tmp_path), mode],
+        capture_output=True,
+        text=True,
+        timeout=120,  # only detects a hang
+        env={**os.environ, "TMPDIR": str(tmp)},
+    )
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert r.stdout.startswith(f"workspace directory {str(tmp_path)!r} holds "), r.stdout
+    assert "copy its own copy" in r.stdout and len(r.stdout) < 1000
+    assert list(tmp.rglob(".partial*")) == []  # no layer copy was begun
 
 
 def test_overlay_mode_refused_clearly_when_unavailable(cfg: SandboxConfig) -> None:

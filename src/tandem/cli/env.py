@@ -10,7 +10,8 @@ Invariants:
 - The snapshot's caps hold for what is read: a file over ``sandbox.file_mb`` MiB, a DIR with over
   ``SNAPSHOT_MAX_BYTES`` of text or over ``SOLUTION_MAX_ENTRIES`` entries is refused (not silently cut, so
   what is graded is what was passed), before any sandbox starts.
-- Bad input (unknown task id, missing, unreadable, non-regular or oversized solution path, an invalid config)
+- Bad input (unknown task id, missing, unreadable, non-regular or oversized solution path, one on a kernel
+  pseudo file system such as ``/proc``, an invalid config)
   prints one ``error:`` line naming the value and exits with status 2; no traceback.
 """
 
@@ -27,6 +28,7 @@ import typer
 
 from tandem.core.config import RewardConfig, RunConfig, SandboxConfig, load_config
 from tandem.core.errors import TandemError
+from tandem.core.pseudofs import pseudo_filesystems
 from tandem.core.records import Reward, Task
 from tandem.sandbox.base import LIMIT_NAMES, SNAPSHOT_MAX_BYTES
 from tandem.sandbox.limits import MIB
@@ -82,6 +84,9 @@ def _read_regular(path: Path, limit: int, follow: bool) -> bytes | None:
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the stat
             return None
         data = f.read(limit + 1)
+    if data is None:  # a "regular" file with nothing to read yet (O_NONBLOCK): had been a TypeError traceback
+        _fail(f"--solution file {str(path)!r} is unreadable (reading it would block)")
+        raise AssertionError  # unreachable: _fail exits
     if len(data) > limit:
         _fail(
             f"--solution file {str(path)!r} is over {limit // MIB} MiB, the largest file a sandbox snapshot "
@@ -126,20 +131,51 @@ def _count_bytes(root: Path, seen: int, more: int) -> int:
     return seen + more
 
 
+def _check_ordinary(path: Path, pseudo: dict[int, str], follow: bool) -> None:
+    """Refuse ``path`` when it is on a kernel pseudo file system (``core.pseudofs``): its
+    "regular" files are not data (``--solution /proc`` ended in a TypeError traceback, and a read of
+    ``/proc/kmsg`` takes the kernel's log messages from the system's logger)."""
+    try:
+        st = (os.stat if follow else os.lstat)(path)
+    except OSError:
+        return  # gone or unreachable: the read names what is wrong
+    kind = pseudo.get(st.st_dev)
+    if kind is not None and (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):  # devices: refused later
+        _fail(
+            f"--solution {str(path)!r} is on a {kind} file system (kernel files, which can block, act or "
+            "never end when read, not a solution); pass a solution.py file or a workspace dir of ordinary "
+            "files"
+        )
+
+
+def _utf8(name: str) -> bool:
+    """Whether ``name`` is valid UTF-8 on disk (``os.walk`` gives other bytes as surrogate escapes)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _dir_files(root: Path, limit: int) -> tuple[dict[str, str], list[str]]:
     """The regular UTF-8 text files under ``root`` (relative path -> content) read the way a sandbox
-    snapshot reads them (sorted walk, ``__pycache__`` and binary files skipped, symlinks never followed),
+    snapshot reads them (sorted walk, ``__pycache__`` and binary files and names that are not UTF-8 skipped:
+    one such name had made the whole grading a sandbox error, reward 0; symlinks never followed),
     and the relative paths of the symlinks left out. Past a snapshot's caps (``limit`` bytes per file,
     ``SNAPSHOT_MAX_BYTES`` in all) or ``SOLUTION_MAX_ENTRIES``, it refuses instead of leaving files out."""
     out: dict[str, str] = {}
     links: list[str] = []
     total = entries = 0
+    pseudo = pseudo_filesystems()
     for dirpath, dirnames, filenames in os.walk(root):
+        _check_ordinary(Path(dirpath), pseudo, follow=dirpath == str(root))
         entries = _count_entries(root, entries, len(dirnames) + len(filenames))
         links += [str(Path(dirpath, d).relative_to(root)) for d in dirnames if Path(dirpath, d).is_symlink()]
         dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")  # os.walk never enters the links
         for name in sorted(filenames):
             full = Path(dirpath, name)
+            if not _utf8(str(full.relative_to(root))):  # a snapshot skips such names: so must grading here
+                continue
             raw = _read_regular(full, limit, follow=False)
             if raw is None:
                 if full.is_symlink():
@@ -167,6 +203,7 @@ def solution_files(task: Task, solution: Path, limit: int) -> tuple[dict[str, st
         overlay, links = _dir_files(solution, limit)
         files.update(overlay)
     elif solution.exists():
+        _check_ordinary(solution, pseudo_filesystems(), follow=True)
         files[SOLUTION_FILE] = _read_text(solution, limit)
     else:
         _fail(f"--solution {str(solution)!r} does not exist; pass a solution.py file or a workspace dir")

@@ -11,7 +11,10 @@ model.safetensors, tokenizer files, generation_config.json) plus ``recipe.json``
 ``--resume`` reuses the tokenizer saved in the output dir and continues from its checkpoint. Bad options
 (unknown preset, --steps/--stop-after < 1, --threads outside 1..``MAX_THREADS``, an --out that is not empty,
 not a writable ordinary directory, or has no usable checkpoint to resume) print one ``error:`` line and exit
-with status 2 before anything is built or written.
+with status 2 before anything is built or written; a checkpoint that ``--resume`` finds damaged or not this
+model's is refused the same way, before anything in ``--out`` changes. A write that fails (a full disk) is
+one ``error:`` line, exit status 1, naming what is kept (checkpoints are replaced atomically). A stop signal
+during the final save waits for it: a finished run's model is whole once the command ends.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from typing import Annotated, Any
 import typer
 
 from tandem.cli.checks import threads_problem, writable_dir_problem
+from tandem.core import stopping
+from tandem.core.errors import TandemError
 from tandem.core.stopping import StopRequested, stop_on_signals
-from tandem.train.midtrain import CHECKPOINT, MidtrainSettings, midtrain, pack
+from tandem.train.midtrain import CHECKPOINT, CheckpointWriteError, MidtrainSettings, midtrain, pack
 
 
 @dataclasses.dataclass
@@ -184,51 +189,61 @@ def run_midtrain(
             file=sys.stderr,
         )
     summary = midtrain(model, rows, p.settings, out, resume=resume, stop_after=stop_after, progress=progress)
-    recipe: dict[str, Any] = {
-        "command": f"tandem midtrain --preset {preset} --out {out}"
-        + (f" --steps {steps}" if steps is not None else "")
-        + f" --threads {threads}",
-        "preset": preset,
-        "model_size": p.model_size,
-        "model_config": config.to_diff_dict(),
-        "params": num_params(model),
-        "tokenizer": {
-            "vocab_size": p.vocab_size,
-            "type": "byte-level BPE",
-            "trained_on_transcripts": p.tokenizer_transcripts,
-        },
-        "corpus": {
-            **stats,
-            "levels": list(p.levels),
-            "seed": p.corpus_seed,
-            "rows": len(rows),
-            "source": "stdlib *.py (sorted) + tandem.env.expert.expert_corpus (train split)",
-            "loss_mask": "all tokens",
-        },
-        "model_seed": p.model_seed,
-        "settings": p.settings.to_dict(),
-        "threads": threads,
-        **summary,
-        "versions": _versions(),
-    }
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    tail = [json.loads(x)["loss"] for x in lines[-10:]]
-    recipe["mean_loss_last10"] = sum(tail) / max(1, len(tail))
-    if not summary["finished"]:
+    # Writing the model takes a moment after the last step: a stop signal then waits for it (before, it
+    # said "nothing was trained: remove OUT" of a finished run, and could leave a half-written model).
+    with stopping.deferred():
+        recipe: dict[str, Any] = {
+            "command": f"tandem midtrain --preset {preset} --out {out}"
+            + (f" --steps {steps}" if steps is not None else "")
+            + f" --threads {threads}",
+            "preset": preset,
+            "model_size": p.model_size,
+            "model_config": config.to_diff_dict(),
+            "params": num_params(model),
+            "tokenizer": {
+                "vocab_size": p.vocab_size,
+                "type": "byte-level BPE",
+                "trained_on_transcripts": p.tokenizer_transcripts,
+            },
+            "corpus": {
+                **stats,
+                "levels": list(p.levels),
+                "seed": p.corpus_seed,
+                "rows": len(rows),
+                "source": "stdlib *.py (sorted) + tandem.env.expert.expert_corpus (train split)",
+                "loss_mask": "all tokens",
+            },
+            "model_seed": p.model_seed,
+            "settings": p.settings.to_dict(),
+            "threads": threads,
+            **summary,
+            "versions": _versions(),
+        }
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        tail = [json.loads(x)["loss"] for x in lines[-10:]]
+        recipe["mean_loss_last10"] = sum(tail) / max(1, len(tail))
+        if not summary["finished"]:
+            return recipe
+        model.generation_config = GenerationConfig(
+            eos_token_id=chat.stop_token_ids,
+            pad_token_id=chat.eos_token_id,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            max_new_tokens=192,
+        )
+        try:
+            model.save_pretrained(str(out), safe_serialization=True)
+            recipe["total_wall_s"] = time.monotonic() - t0
+            (out / "recipe.json").write_text(json.dumps(recipe, indent=2) + "\n")
+        except Exception as e:  # noqa: BLE001 - a full disk comes as OSError or safetensors' own error
+            raise CheckpointWriteError(
+                f"could not write the model into {out} ({type(e).__name__}: {e}); training finished and its "
+                f"checkpoint {out / CHECKPOINT} is kept: free disk space and run the same command with "
+                "--resume"
+            ) from e
+        shutil.rmtree(out / Path(CHECKPOINT).parent, ignore_errors=True)
         return recipe
-    model.generation_config = GenerationConfig(
-        eos_token_id=chat.stop_token_ids,
-        pad_token_id=chat.eos_token_id,
-        do_sample=True,
-        temperature=1.0,
-        top_p=1.0,
-        max_new_tokens=192,
-    )
-    model.save_pretrained(str(out), safe_serialization=True)
-    shutil.rmtree(out / Path(CHECKPOINT).parent, ignore_errors=True)
-    recipe["total_wall_s"] = time.monotonic() - t0
-    (out / "recipe.json").write_text(json.dumps(recipe, indent=2) + "\n")
-    return recipe
 
 
 def midtrain_command(
@@ -272,6 +287,18 @@ def midtrain_command(
     except (ValueError, FileNotFoundError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    except (TandemError, OSError) as e:  # a full disk while training or saving: say what is kept
+        message = str(e)
+        if not isinstance(e, TandemError):
+            what = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
+            kept = (
+                f"continue from its last checkpoint with --resume --out {out_dir}"
+                if (out_dir / CHECKPOINT).is_file()
+                else "start again"
+            )
+            message = f"writing {out_dir} failed ({what}); free disk space (or fix the cause) and {kept}"
+        typer.echo(f"error: {message}", err=True)
+        raise typer.Exit(1) from None
     if recipe["finished"]:
         typer.echo(
             f"wrote {out_dir} ({recipe['params']:,} params, final loss {recipe['final_loss']:.4f}, "

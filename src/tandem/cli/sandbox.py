@@ -4,7 +4,8 @@ Invariants: the command's stdout and stderr are printed on ours and its exit sta
 128+N when killed by signal N); the directory itself is never modified. ``--timeout``, ``--memory`` (MB),
 ``--pids`` and ``--max-output`` (bytes per stream, cut with a visible marker) override the ``SandboxConfig``
 defaults; a command killed by SIGKILL or failing with MemoryError gets a note on stderr naming the limits.
-Bad input (missing directory, empty command, unknown backend, unusable bwrap, a limit <= 0 or past ``MOST``)
+Bad input (missing directory, a directory holding the temp dir or on a kernel pseudo file system such as
+``/proc``, empty command, unknown backend, unusable bwrap, a limit <= 0 or past ``MOST``)
 prints one ``error:`` line naming the flag or value and exits with status 2; so does a command that fills
 the sandbox's disk (``sandbox.disk_mb``), after its output.
 """
@@ -15,6 +16,7 @@ import math
 import os
 import stat
 import sys
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -22,12 +24,15 @@ import typer
 
 from tandem.core.config import (
     SANDBOX_MAX_MB,
+    SANDBOX_MAX_OUTPUT_BYTES,
     SANDBOX_MAX_PIDS,
     SANDBOX_MAX_TIMEOUT_S,
+    SANDBOX_MIN_BWRAP_PIDS,
     SANDBOX_MIN_MEMORY_MB,
     SandboxConfig,
 )
 from tandem.core.errors import TandemError
+from tandem.core.pseudofs import pseudo_filesystems
 from tandem.sandbox import SandboxDiskFull, create_sandbox
 
 app = typer.Typer(
@@ -51,6 +56,7 @@ MOST: dict[str, tuple[int, str]] = {
     "--timeout": (SANDBOX_MAX_TIMEOUT_S, "a week; longer overflowed the wait for the command"),
     "--memory": (SANDBOX_MAX_MB, "16 TiB; bwrap and ulimit refused larger sizes mid-start"),
     "--pids": (SANDBOX_MAX_PIDS, "the most processes Linux can have, PID_MAX_LIMIT; ulimit refused more"),
+    "--max-output": (SANDBOX_MAX_OUTPUT_BYTES, "1 GiB per stream, held in memory; more was a traceback"),
 }
 """Largest value per option, and why; past it the sandbox failed to start with an unclear message."""
 
@@ -70,10 +76,36 @@ _KINDS = {
 }
 
 
+def _check_not_inside(root: Path) -> None:
+    """Refuse a workspace that holds the temp dir, where the sandbox's copy of it is made: the copy copied
+    itself until its paths grew too long (``--workspace /`` copied the host's whole disk into itself)."""
+    tmp = Path(os.path.realpath(tempfile.gettempdir()))
+    if tmp.is_relative_to(os.path.realpath(root)):
+        _fail(
+            f"--workspace {str(root)!r} holds the temp dir {str(tmp)!r}, where the sandbox's copy of it is "
+            "made (it would copy its own copy); pass a directory that does not hold it, or set TMPDIR "
+            "elsewhere"
+        )
+
+
 def _check_copyable(root: Path) -> None:
     """Refuse a workspace holding anything but files, directories and symlinks (the copy into the sandbox
-    cannot take a named pipe, a socket or a device: it failed with a traceback); symlinks are not followed."""
+    cannot take a named pipe, a socket or a device: it failed with a traceback), or any directory on a kernel
+    pseudo file system (``core.pseudofs``); symlinks are not followed. Stops at the first
+    refusal."""
+    pseudo = pseudo_filesystems()
     for dirpath, _, filenames in os.walk(root):
+        try:
+            kind = pseudo.get((os.stat if dirpath == str(root) else os.lstat)(dirpath).st_dev)
+        except OSError:
+            continue  # gone since the listing: nothing to copy
+        if kind is not None:
+            rel = os.path.relpath(dirpath, root)
+            where = "is" if rel == "." else f"holds {rel!r}, which is"
+            _fail(
+                f"--workspace {str(root)!r} {where} on a {kind} file system (kernel files, which can block "
+                "or never end when read, not data to copy); pass a directory of ordinary files"
+            )
         for name in filenames:
             path = Path(dirpath, name)
             try:
@@ -120,6 +152,7 @@ def run(
     assert workspace is not None
     if not workspace.is_dir():
         _fail(f"--workspace {str(workspace)!r} is not an existing directory; pass the directory to copy")
+    _check_not_inside(workspace)
     _check_copyable(workspace)
     if not cmd:
         _fail("no command given; pass it after `--`, e.g. `tandem sandbox run --workspace . -- python3 -V`")
@@ -146,6 +179,11 @@ def run(
                 _fail(
                     f"--memory must be at least {SANDBOX_MIN_MEMORY_MB} MB (below it sh and python3 cannot "
                     f"load their libraries), got {value}"
+                )
+            if flag == "--pids" and backend == "bwrap" and value < SANDBOX_MIN_BWRAP_PIDS:
+                _fail(
+                    f"--pids must be at least {SANDBOX_MIN_BWRAP_PIDS} with the bwrap backend (bwrap and the "
+                    f"sandbox's init are processes too; with fewer no command starts), got {value}"
                 )
             _check_most(flag, value)
             setattr(config, name, value)

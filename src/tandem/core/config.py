@@ -6,6 +6,7 @@ Invariants: unknown keys are rejected; every validation error names the dotted f
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 import urllib.parse
@@ -26,6 +27,7 @@ from pydantic import (
 
 from tandem.core.errors import ConfigError
 from tandem.core.generation import MIN_TEMPERATURE
+from tandem.core.pseudofs import pseudo_filesystems
 
 MAX_THREADS = 1024
 """Most torch threads a setting or option accepts: beyond a C int torch refuses the value with an unclear
@@ -91,6 +93,10 @@ class ModelConfig(Section):
     """Dtype the engines serve and the trainer publishes in (trainer master weights are always float32)."""
 
 
+SANDBOX_MAX_TIMEOUT_S = 7 * 24 * 3600
+"""Longest `sandbox.timeout_s` and `cpu_s` (a week): longer waits overflowed the wait for the command."""
+
+
 class TaskConfig(Section):
     source: Literal["builtin", "humaneval", "repo"] = "builtin"
     """Task source: `builtin` (procedural Python function-writing tasks), `humaneval` (the 164 HumanEval
@@ -111,12 +117,11 @@ class TaskConfig(Section):
     """Assistant turns per session before it is truncated."""
     max_tokens: int = 768
     """Total tokens (prompt + sampled + observations) per session before it is truncated."""
-    wall_time_s: float = 60.0
-    """Wall-clock limit per session in seconds."""
+    wall_time_s: float = Field(default=60.0, gt=0, le=SANDBOX_MAX_TIMEOUT_S)
+    """Wall-clock limit per session in seconds (at most a week, `SANDBOX_MAX_TIMEOUT_S`: an external
+    harness's command runs with it as its sandbox timeout, and a longer one overflowed the wait for it)."""
 
 
-SANDBOX_MAX_TIMEOUT_S = 7 * 24 * 3600
-"""Longest `sandbox.timeout_s` and `cpu_s` (a week): longer waits overflowed the wait for the command."""
 SANDBOX_MAX_MB = 2**24
 """Largest sandbox size in MiB (`memory_mb`, `file_mb`, `disk_mb`; 16 TiB): bwrap and ulimit refused larger
 sizes while the sandbox started."""
@@ -125,6 +130,11 @@ SANDBOX_MIN_MEMORY_MB = 16
 their shared libraries (seen at 8 MB: "failed to map segment"; a segfault at 4), so nothing runs."""
 SANDBOX_MAX_PIDS = 4_194_304
 """Most `sandbox.pids`: Linux's PID_MAX_LIMIT (ulimit refused more)."""
+SANDBOX_MIN_BWRAP_PIDS = 3
+"""Least `sandbox.pids` with the bwrap backend: bwrap and the sandbox's init count against the limit too, so
+below it no command starts (1: "bwrap: Creating new namespace failed", 2: "Cannot fork")."""
+SANDBOX_MAX_OUTPUT_BYTES = 2**30
+"""Most `sandbox.max_output_bytes`: the host keeps that much of each of stdout and stderr in memory."""
 
 
 class SandboxConfig(Section):
@@ -135,12 +145,13 @@ class SandboxConfig(Section):
     memory_mb: int = Field(default=512, ge=SANDBOX_MIN_MEMORY_MB, le=SANDBOX_MAX_MB)
     """Memory limit (cgroup v1 where available, address-space rlimit always)."""
     pids: int = Field(default=64, ge=1, le=SANDBOX_MAX_PIDS)
-    """Maximum processes (cgroup v1 pids where available, RLIMIT_NPROC otherwise)."""
+    """Maximum processes (cgroup v1 pids where available, RLIMIT_NPROC otherwise); at least
+    `SANDBOX_MIN_BWRAP_PIDS` (3) with the bwrap backend, whose own processes count too."""
     cpu_s: int = Field(default=10, ge=1, le=SANDBOX_MAX_TIMEOUT_S)
     """CPU-time rlimit in seconds."""
     file_mb: int = Field(default=16, ge=1, le=SANDBOX_MAX_MB)
     """Largest file a command may write, in MiB."""
-    max_output_bytes: int = Field(default=16384, ge=1, le=2**30)
+    max_output_bytes: int = Field(default=16384, ge=1, le=SANDBOX_MAX_OUTPUT_BYTES)
     """Stdout/stderr kept per command; the rest is cut with a visible marker."""
     workspace_mode: Literal["auto", "overlay", "copy"] = "auto"
     """How a sandbox gets its private workspace: `overlay` mounts a kernel overlayfs over a read-only layer
@@ -165,6 +176,16 @@ class SandboxConfig(Section):
     only created while the temp dir's disk has room for this plus what this process's other sandboxes may
     still write. Without root it is not enforced (a warning says so). Tmpfs scratch is capped by
     `memory_mb` instead."""
+
+    @field_validator("pids")
+    @classmethod
+    def _bwrap_pids(cls, value: int, info: ValidationInfo) -> int:
+        if info.data.get("backend", "bwrap") == "bwrap" and value < SANDBOX_MIN_BWRAP_PIDS:
+            raise ValueError(
+                f"must be at least {SANDBOX_MIN_BWRAP_PIDS} with the bwrap backend (bwrap and the sandbox's "
+                "init are processes too; with fewer no command starts)"
+            )
+        return value
 
 
 REWARD_TEST_COMPONENTS = ("pass_fraction", "all_passed", "f2p_fraction", "p2p_fraction")
@@ -824,6 +845,36 @@ def _format_error(err: ValidationError) -> str:
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
+CONFIG_MAX_BYTES = 16 * 2**20
+"""Largest config file read (a run config is a few KB): a larger file, such as a log passed by mistake, is
+refused rather than read whole into memory."""
+
+
+def _read_config_text(p: Path) -> str:
+    """The text of config file ``p`` (universal newlines, as ``read_text``), or :class:`ConfigError` for a
+    file on a kernel pseudo file system (``/proc/kmsg`` blocked the command for ever, and a read takes the
+    kernel's log from the system's logger), over ``CONFIG_MAX_BYTES``, or unreadable (``/proc/self/mem``, a
+    file this user may not read: an ``OSError`` traceback before). Undecodable bytes raise
+    ``UnicodeDecodeError``."""
+    try:
+        kind = pseudo_filesystems().get(os.stat(p).st_dev)
+        if kind is not None:
+            raise ConfigError(
+                f"config file {p} is on a {kind} file system (kernel files, not a config); pass a TOML file"
+            )
+        with open(p, "rb") as f:
+            raw = f.read(CONFIG_MAX_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(
+            f"config file {p} cannot be read ({e.strerror or e}); pass a readable TOML file"
+        ) from None
+    if len(raw) > CONFIG_MAX_BYTES:
+        raise ConfigError(
+            f"config file {p} is over {CONFIG_MAX_BYTES // 2**20} MiB, no run config; pass the TOML file"
+        )
+    return raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+
+
 def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None, base: dict[str, Any] | None = None
 ) -> RunConfig:
@@ -839,7 +890,7 @@ def load_config(
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; pass an existing TOML file")
         try:
-            file_data = tomllib.loads(p.read_text(encoding="utf-8"))
+            file_data = tomllib.loads(_read_config_text(p))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from e
         except UnicodeDecodeError as e:

@@ -53,7 +53,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.core.config import SandboxConfig
+from tandem.core.config import SANDBOX_MAX_TIMEOUT_S, SandboxConfig
 from tandem.core.errors import SandboxError
 from tandem.core.procs import pid_alive
 from tandem.sandbox.cleanup import Resources, exit_on_signals, exiting, rmtree
@@ -66,7 +66,7 @@ from tandem.sandbox.disk import (
     warn_uncapped,
 )
 from tandem.sandbox.forward import SocketForwarder
-from tandem.sandbox.layers import WorkspaceTemplate, check_relpath, layer_cache
+from tandem.sandbox.layers import WorkspaceTemplate, check_not_inside, check_relpath, layer_cache
 from tandem.sandbox.limits import MIB, Cgroup, _host_tag, agent_uid, rlimit_script
 from tandem.sandbox.overlay import mount_overlay, mounts_under, overlay_unavailable_reason, unmount
 from tandem.sandbox.reaper import reap_later
@@ -406,6 +406,7 @@ class Sandbox:
                 raise SandboxError(
                     f"workspace directory {str(src)!r} does not exist; pass an existing directory"
                 )
+            check_not_inside(src, self.workdir)
             shutil.copytree(src, self.workdir, symlinks=True, dirs_exist_ok=True)
         else:
             raise SandboxError(
@@ -520,11 +521,17 @@ class Sandbox:
 
         ``env`` adds variables to the sandbox's clean environment for this command only. ``last=True`` says
         no command follows, so no spare launcher is started for one (saves its CPU in one-shot sandboxes).
-        Raises :class:`SandboxDiskFull` (holding the result) when the command left the capped disk full."""
+        Raises :class:`SandboxDiskFull` (holding the result) when the command left the capped disk full, and
+        :class:`SandboxError` for input no command can run with (an argument holding a NUL byte, a timeout
+        that is not in (0, ``SANDBOX_MAX_TIMEOUT_S``]), whichever way the command would have started."""
         if not isinstance(cmd, (list, tuple)) or not cmd or not all(isinstance(a, str) for a in cmd):
             raise SandboxError(
                 f"command must be a non-empty list of strings, got {cmd!r}; e.g. ['python3', 'test.py']"
             )
+        for arg in cmd:  # the spare launcher reads its command up to a NUL: it ran a cut-off command line
+            if "\x00" in arg:
+                shown = repr(arg[:100]) + ("..." if len(arg) > 100 else "")
+                raise SandboxError(f"command argument {shown} holds a NUL byte, which no argv can carry")
         extra = dict(env or {})
         for key, value in extra.items():
             if not isinstance(key, str) or not key or "=" in key or "\x00" in key:
@@ -532,8 +539,11 @@ class Sandbox:
             if not isinstance(value, str) or "\x00" in value:
                 raise SandboxError(f"environment variable {key} must be a string without NUL bytes")
         timeout = self.config.timeout_s if timeout_s is None else float(timeout_s)
-        if not timeout > 0:
-            raise SandboxError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        if not 0 < timeout <= SANDBOX_MAX_TIMEOUT_S:  # longer overflowed the wait (OverflowError)
+            raise SandboxError(
+                f"timeout_s must be > 0 and at most {SANDBOX_MAX_TIMEOUT_S} seconds (a week), got "
+                f"{timeout_s!r}"
+            )
         data = stdin.encode() if stdin is not None else None
         with self._lock:
             self._check_open()

@@ -6,7 +6,8 @@ sandbox of that workspace (all the rollouts of a GRPO group, every sandbox of a 
 Invariants:
 - A layer is keyed by its content: a dict workspace by the SHA-256 of its sorted (path, content) pairs, a
   directory workspace by its real path plus a walk of every entry's relative path, type, size, mode and
-  mtime (so an edited directory gets a new layer; the walk reads no file data).
+  mtime (so an edited directory gets a new layer; the walk reads no file data). A directory that holds the
+  cache (the temp dir, e.g. ``/``) is refused (:func:`check_not_inside`): its copy would copy itself.
 - A layer is complete before anyone sees it: it is built under a temporary name and renamed into place.
   Its files and directories belong to ``owner`` (the sandbox's agent uid), so files copied up into an
   overlay's upper directory are the agent's to modify; nothing ever writes into a layer after the rename.
@@ -56,6 +57,18 @@ def check_relpath(path: object) -> PurePosixPath:
     if ".." in p.parts:
         raise SandboxError(f"path {path!r} contains '..'; pass a path inside the workspace")
     return p
+
+
+def check_not_inside(source: Path, copy: Path) -> None:
+    """Refuse to copy directory ``source`` to ``copy`` when ``copy`` lies inside it: the copy took in its own
+    growing copy until the paths were too long (a workspace holding the temp dir, such as ``/``, copied the
+    host's disk into itself)."""
+    if Path(os.path.realpath(copy)).is_relative_to(os.path.realpath(source)):
+        raise SandboxError(
+            f"workspace directory {str(source)!r} holds {str(copy)!r}, where the sandbox's copy of it is "
+            "made (it would copy its own copy); pass a directory that does not hold the temp dir, or set "
+            "TMPDIR elsewhere"
+        )
 
 
 def dict_key(files: dict[str, str]) -> str:
@@ -148,6 +161,7 @@ class LayerCache:
                 raise SandboxError(
                     f"workspace directory {str(workspace)!r} does not exist; pass an existing directory"
                 )
+            check_not_inside(Path(workspace), self.root)
             key = dir_key(Path(workspace))
         path = self.root / key
         while True:

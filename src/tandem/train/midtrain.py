@@ -11,6 +11,9 @@ Invariants:
   prompt formats alike; the loss crosses document boundaries as in ordinary pre-training.
 - ``<out>/metrics.jsonl`` holds one line per finished step; a resumed run first drops lines past the
   checkpoint, so the file always describes one trajectory.
+- A checkpoint is replaced atomically: a save that fails (a full disk) keeps the previous one, leaves no
+  partial file and raises :class:`CheckpointWriteError`; a resume from a file that is not a whole
+  checkpoint of this model is a ``ValueError`` naming it, before anything in ``<out>`` changes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import shutil
 import sys
 import time
 from collections.abc import Iterable
@@ -29,8 +33,16 @@ from typing import Any
 import numpy as np
 
 from tandem.core import stopping
+from tandem.core.errors import TandemError
 
 CHECKPOINT = "checkpoint/state.pt"
+CHECKPOINT_KEYS = ("model", "optimizer", "step", "wall_s", "torch_rng", "settings", "data_fingerprint")
+"""What a checkpoint holds (a dict saved by ``torch.save``); a resume refuses a file without all of them."""
+
+
+class CheckpointWriteError(TandemError):
+    """A checkpoint or the finished model could not be written (a full disk, most often); the message names
+    the file, what is kept and what to do. Nothing half-written is left behind."""
 
 
 @dataclass
@@ -89,13 +101,60 @@ def fingerprint(rows: np.ndarray) -> str:
     return hashlib.sha256(rows.tobytes()).hexdigest()[:16]
 
 
+def _free_mib(path: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(path).free / 2**20:.1f} MiB free there"
+    except OSError:
+        return "free space unknown"
+
+
 def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Write ``state`` to ``path`` atomically: a failure (a full disk: torch says "unexpected pos") leaves the
+    previous checkpoint as it was, removes the partial file (it held the room the next save needs) and
+    raises :class:`CheckpointWriteError` instead of torch's RuntimeError."""
     import torch
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)  # atomic: a crash mid-save leaves the previous checkpoint intact
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, tmp)
+        tmp.replace(path)  # atomic: a crash mid-save leaves the previous checkpoint intact
+    except (OSError, RuntimeError) as e:
+        tmp.unlink(missing_ok=True)
+        kept = (
+            "the previous checkpoint there is kept: free disk space and continue with --resume"
+            if path.is_file()
+            else "no checkpoint was kept: free disk space and start again"
+        )
+        raise CheckpointWriteError(
+            f"could not write the checkpoint {path} ({type(e).__name__}: {e}; {_free_mib(path.parent)}); "
+            + kept
+        ) from e
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _load_checkpoint(path: Path) -> dict[str, Any]:
+    """The checkpoint at ``path``; a file ``torch.load`` cannot read, or that is not a dict holding every
+    ``CHECKPOINT_KEYS``, raises ``ValueError`` naming the file (a damaged archive member or another program's
+    archive had raised an unpickling error or a KeyError traceback)."""
+    import torch
+
+    try:
+        state = torch.load(path, weights_only=False)
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a damaged archive
+        raise ValueError(
+            f"--resume: {path} cannot be read as a checkpoint ({type(e).__name__}: {e}); it is damaged: "
+            "start again in a new --out without --resume"
+        ) from e
+    missing = [k for k in CHECKPOINT_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ValueError(
+            f"--resume: {path} is not a mid-training checkpoint (it lacks {', '.join(missing)}); start "
+            "again in a new --out without --resume"
+        )
+    return state
 
 
 def _metrics_through(path: Path, step: int) -> list[str]:
@@ -157,17 +216,23 @@ def midtrain(
     if resume:
         if not ckpt_path.is_file():
             raise FileNotFoundError(f"--resume: no checkpoint at {ckpt_path}; run without --resume first")
-        state = torch.load(ckpt_path, weights_only=False)
+        state = _load_checkpoint(ckpt_path)
         if state["settings"] != s.to_dict() or state["data_fingerprint"] != fp:
             raise ValueError(
                 f"--resume: checkpoint {ckpt_path} was made with other settings or data "
                 f"({state['settings']}, data {state['data_fingerprint']}) than this run ({s.to_dict()}, data "
                 f"{fp}); use the same preset and options, or a fresh --out"
             )
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["torch_rng"])
-        step, prior_wall = int(state["step"]), float(state["wall_s"])
+        try:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["torch_rng"])
+            step, prior_wall = int(state["step"]), float(state["wall_s"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"--resume: {ckpt_path} does not fit this model ({type(e).__name__}: {e}); start again in a "
+                "new --out without --resume"
+            ) from e
         kept = _metrics_through(metrics_path, step) if metrics_path.is_file() else []
         metrics_path.write_text("".join(ln + "\n" for ln in kept))
     else:
