@@ -14,6 +14,7 @@ import pytest
 from tandem.core.config import SandboxConfig
 from tandem.core.errors import SandboxError
 from tandem.sandbox import Sandbox, bwrap_available, create_sandbox, drain_reaper
+from tandem.sandbox.base import output_flood_bytes
 from tandem.sandbox.bwrap import sandbox_python
 
 from .conftest import procs_with, wait_no_procs
@@ -227,6 +228,21 @@ def test_output_is_truncated_with_marker() -> None:
         assert r.stdout == "x" * 100 + "\n[... output truncated at 100 bytes ...]\n"
         r = s.exec(["echo", "short"])
         assert (r.stdout, r.truncated) == ("short\n", False)
+
+
+def test_an_output_flood_is_killed_instead_of_drained_until_the_timeout() -> None:
+    """Before: a command writing without end was drained for its whole timeout (5 s cost the host 2.3 s of
+    CPU here) and ended as a timeout. Now it is killed once it has written ``output_flood_bytes`` past the
+    cap, long before the timeout, and the next command runs as usual."""
+    flood = output_flood_bytes(100)
+    with create_sandbox({}, SandboxConfig(max_output_bytes=100, timeout_s=60)) as s:
+        r = s.exec(["python3", "-c", "import os\nb = b'x' * 65536\nwhile True: os.write(1, b)"])
+        assert not r.timed_out and r.limits == ("output",), (r.limits, r.stderr[-300:])
+        assert r.exit_code == 137 and r.stdout.startswith("x" * 100)
+        assert f"killed after writing over {flood} bytes past the 100-byte output limit" in r.stderr
+        r = s.exec(["python3", "-c", f"import os; os.write(1, b'y' * {flood // 2})"])  # below it: kept going
+        assert (r.exit_code, r.limits, r.stdout[:3]) == (0, ("output",), "yyy")
+        assert (r := s.exec(["echo", "next"])).stdout == "next\n"
 
 
 def test_commands_no_argv_can_carry_are_refused_whichever_way_they_start(sb: Sandbox) -> None:

@@ -152,7 +152,8 @@ class SandboxConfig(Section):
     file_mb: int = Field(default=16, ge=1, le=SANDBOX_MAX_MB)
     """Largest file a command may write, in MiB."""
     max_output_bytes: int = Field(default=16384, ge=1, le=SANDBOX_MAX_OUTPUT_BYTES)
-    """Stdout/stderr kept per command; the rest is cut with a visible marker."""
+    """Stdout/stderr kept per command; the rest is cut with a visible marker, and a command that writes
+    64 MiB (or 64x this, if more) past it is killed (``tandem.sandbox.base.output_flood_bytes``)."""
     workspace_mode: Literal["auto", "overlay", "copy"] = "auto"
     """How a sandbox gets its private workspace: `overlay` mounts a kernel overlayfs over a read-only layer
     shared by every sandbox of the same workspace (copy-on-write; needs root), `copy` copies the files,

@@ -28,7 +28,9 @@ Invariants:
   one). The cgroup's limit counters are read once per exec, after it (the reading before a command is the
   previous exec's: nothing of the sandbox runs in between but an idle launcher).
 - Each of stdout and stderr keeps at most ``max_output_bytes``; the rest is drained and dropped, and a
-  visible marker line is appended. Output is decoded as UTF-8 with replacement characters.
+  visible marker line is appended. Output is decoded as UTF-8 with replacement characters. A command that
+  writes more than ``output_flood_bytes(cap)`` beyond what is kept is killed there (limit ``output``, a note
+  on stderr): draining a flood for the whole timeout had cost the host about half a core.
 - ``read``/``write`` accept only relative paths that stay inside the workspace after resolving symlinks;
   anything else raises :class:`SandboxError` naming the path.
 """
@@ -83,6 +85,14 @@ Python's limit and the rollout's whole group failed)."""
 """Total bytes :meth:`Sandbox.snapshot` returns at most; files past it (in sorted order) are left out."""
 _GRACE_S = 1.0  # how long pipes are drained after the command ended or was killed
 _CHUNK = 65536
+OUTPUT_FLOOD_MIN_BYTES = 64 * MIB
+
+
+def output_flood_bytes(cap: int) -> int:
+    """Output dropped past ``max_output_bytes`` (both streams together) at which a command is killed: no
+    grader or tool needs this much, and draining it costs host CPU outside every sandbox limit."""
+    return max(OUTPUT_FLOOD_MIN_BYTES, 64 * cap)
+
 _swept_tmp = False
 
 
@@ -668,6 +678,7 @@ class Sandbox:
                 proc.stdin.close()
         open_outputs, exited, timed_out = 2, False, False
         drain_until: float | None = None
+        dropped, flood, flooded = 0, output_flood_bytes(cap), False
         try:
             while open_outputs or not exited:
                 now = time.monotonic()
@@ -713,6 +724,11 @@ class Sandbox:
                             buf += chunk[:room]
                         if len(chunk) > room:
                             cut[fd] = True
+                            dropped += len(chunk) - max(room, 0)
+                            if dropped > flood and not flooded:  # module invariants: stop the drain
+                                flooded = True
+                                self._kill_tree(proc)
+                                drain_until = min(drain_until or deadline, time.monotonic() + _GRACE_S)
                 if pidfd is None and not exited and _exited_unreaped(proc.pid):
                     exited = True
                     self._kill_tree(proc)
@@ -727,6 +743,11 @@ class Sandbox:
             if cut[fd]:
                 text += f"\n[... output truncated at {cap} bytes ...]\n"
             texts.append(text)
+        if flooded:
+            texts[1] += (
+                f"\n[tandem sandbox: command killed after writing over {flood} bytes past the "
+                f"{cap}-byte output limit]\n"
+            )
         return texts[0], texts[1], any(cut.values()), timed_out
 
     # ---- files ---------------------------------------------------------------------------------
