@@ -217,3 +217,25 @@ def test_a_malformed_prefix_is_refused_naming_it(s3_endpoint):
         with pytest.raises(WeightStoreError, match="S3 prefix .* is malformed"):
             WeightStore.open(f"s3://some-bucket/{prefix}", endpoint_url=s3_endpoint)
     assert S3Backend("some-bucket", "/runs/one/", endpoint_url=s3_endpoint).prefix == "runs/one"
+
+
+def test_a_blob_above_the_multipart_size_is_uploaded_in_parts_and_read_back_whole(s3_endpoint):
+    """S3 refuses a single PutObject over 5 GiB, which one tensor of a large model can exceed: blobs above
+    ``multipart_from`` go up in parts (the object's ETag then ends in ``-<parts>``). Here the threshold is
+    lowered to 8 MiB so the path runs on a 12 MiB blob; a version published through it reads back whole."""
+    bucket = new_bucket()
+    b = S3Backend(bucket, prefix="runs/big", endpoint_url=s3_endpoint, create_bucket=True,
+                  multipart_from=8 * 2**20, min_part_bytes=5 * 2**20)  # fmt: skip
+    store = WeightStore(b, create=True)
+    big = os.urandom(12 * 2**20)
+    store.publish(0, None, "full", "h0", {"a": big, "b": b"small"})
+    m = store.manifest(0)
+    store.close()
+
+    def etag(ref):
+        return b.client.head_object(Bucket=bucket, Key=f"runs/big/blobs/{ref.key}")["ETag"].strip('"')
+
+    assert etag(m.blobs["a"]).endswith("-3"), etag(m.blobs["a"])  # 12 MiB in parts of 5 MiB: 3 parts
+    assert "-" not in etag(m.blobs["b"])  # below the threshold: one PutObject
+    reader = WeightStore(S3Backend(bucket, prefix="runs/big", endpoint_url=s3_endpoint))
+    assert reader.blobs(reader.manifest(0).blobs) == {"a": big, "b": b"small"}

@@ -14,10 +14,16 @@ Invariants:
   but ``us-east-1`` requires); a bucket created meanwhile by this account is not an error.
 - ``delete_if_unchanged`` deletes a key only while it still has the ETag the caller read (``If-Match``), so
   breaking a stale writer lock never deletes a lock another publisher has just taken instead.
+- ``put`` of more than ``multipart_from`` bytes is a multipart upload (S3 refuses a single ``PutObject``
+  over 5 GiB, and one tensor of a large model can be bigger), in parts of at least ``MIN_PART_BYTES`` and
+  at most ``MAX_PARTS`` of them; the object appears only when the upload completes, so it stays atomic.
+  Blobs are content-addressed and checked by their SHA-256, never by the ETag (a multipart ETag is not an
+  MD5 of the bytes).
 """
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 from tandem.weights.backend import ObjectLock, check_key
@@ -28,6 +34,12 @@ _PRECONDITION = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409
 _CREDENTIALS = {
     "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken", "403"
 }  # fmt: skip
+MULTIPART_FROM = 256 * 2**20
+"""Default size above which ``put`` uploads in parts (S3's single-PUT limit is 5 GiB)."""
+MIN_PART_BYTES = 64 * 2**20
+"""Smallest part of a multipart upload (S3's own minimum is 5 MiB for every part but the last)."""
+MAX_PARTS = 10_000
+"""S3's limit on the parts of one upload."""
 
 
 class S3Backend:
@@ -41,6 +53,8 @@ class S3Backend:
         region_name: str | None = "us-east-1",
         client: Any = None,
         create_bucket: bool = False,
+        multipart_from: int = MULTIPART_FROM,
+        min_part_bytes: int = MIN_PART_BYTES,
         **client_kwargs: Any,
     ) -> None:
         if not bucket:
@@ -54,6 +68,8 @@ class S3Backend:
                 "empty, '.' or '..' parts or control characters (e.g. runs/one)"
             )
         self.endpoint_url = endpoint_url
+        self.multipart_from = multipart_from
+        self.min_part_bytes = max(min_part_bytes, 5 * 2**20)
         if client is None:
             import boto3  # lazy: only S3 users pay for boto3's import time
 
@@ -115,9 +131,21 @@ class S3Backend:
 
     def put(self, key: str, data: bytes) -> None:
         try:
-            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+            if len(data) > self.multipart_from:
+                self._put_parts(key, data)
+            else:
+                self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
         except Exception as e:
             raise self._error("put", key, e) from e
+
+    def _put_parts(self, key: str, data: bytes) -> None:
+        """A multipart upload of ``data`` (module invariants), through boto3's transfer manager, which
+        aborts the upload on failure so no parts are left billed."""
+        from boto3.s3.transfer import TransferConfig
+
+        part = max(self.min_part_bytes, -(-len(data) // MAX_PARTS))
+        config = TransferConfig(multipart_threshold=self.multipart_from, multipart_chunksize=part)
+        self.client.upload_fileobj(io.BytesIO(data), self.bucket, self._key(key), Config=config)
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
         if self._conditional:
