@@ -1,5 +1,11 @@
-"""A dead engine must not hang the run: its groups fail and are requeued; the run stops with an error."""
+"""Process faults during a run: a dead engine's groups fail and are requeued; the run goes on while another
+engine lives (and without its host leader), and stops with an error naming what died otherwise, never
+hanging."""
 
+import json
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -10,6 +16,30 @@ import ray
 from tandem.cli.main import build_config
 from tandem.core.errors import TandemError
 from tandem.orchestrator import train
+from tandem.weights.hostshare import default_share_root
+
+from .conftest import tandem_debris
+
+
+def _kill_after_first_step(
+    run_dir: Path, names: list[str], killed: dict, when: str = "metrics.jsonl"
+) -> threading.Thread:
+    """A thread that ``ray.kill``s the named actors once the run has written ``when`` (by default, once its
+    first metrics row is written)."""
+
+    def killer():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if (run_dir / when).exists() and (when != "metrics.jsonl" or (run_dir / when).read_text()):
+                for name in names:
+                    ray.kill(ray.get_actor(name))
+                killed["at"] = time.monotonic()
+                return
+            time.sleep(0.01)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    return t
 
 
 @pytest.mark.slow
@@ -41,6 +71,86 @@ def test_killing_the_only_engine_ends_the_run_with_an_error(tmp_path):
     assert time.monotonic() - killed["at"] < 120
     log = (tmp_path / "rollout_errors.log").read_text()
     assert "engine 0 died" in log
+
+
+@pytest.mark.slow
+def test_a_run_goes_on_without_a_dead_engine_and_its_host_leader(tmp_path):
+    """Two engines and a host leader; one engine and the leader die after step 1. Before, the driver's next
+    call to either (a weight sync, the engines' stats) ended the run, although the rollout workers route
+    around a dead engine and the engines lead each step the leader does not take. The host share a
+    SIGKILLed driver left in /dev/shm (a copy of the weights in memory) is removed, as nothing did before."""
+    cfg = build_config(
+        "smoke",
+        None,
+        [
+            "orchestrator.steps=5",
+            "engine.num_engines=2",
+            "weights.host_leader=true",
+            "eval.before_after=false",
+        ],
+    )
+    gone = subprocess.run([sys.executable, "-c", "print(__import__('os').getpid())"], capture_output=True)
+    stale = default_share_root() / f"tandem-share-{socket.gethostname()}-{int(gone.stdout)}-0123456789abcdef"
+    stale.mkdir()
+    (stale / "shadow.json").write_text("{}")
+    before = tandem_debris()
+    killed: dict = {}
+    _kill_after_first_step(tmp_path, ["tandem-engine-1", "tandem-host-leader"], killed)
+    try:
+        result = train(cfg, tmp_path, quiet=True)
+    finally:
+        ray.shutdown()
+    assert "at" in killed
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and result.version == 5
+    assert rows[0]["engines_alive"] == 2 and rows[-1]["engines_alive"] == 1
+    assert [line.split(" (")[0] for line in result.lost] == ["engine 1 died", "the host leader died"]
+    report = (tmp_path / "report.md").read_text()
+    assert all(line in report for line in result.lost)
+    assert tandem_debris() <= before  # the run's host share is removed as after any run
+    assert not stale.exists()
+
+
+@pytest.mark.slow
+def test_a_dead_rollout_worker_stops_the_run_at_once_naming_it(tmp_path):
+    """Before, ``take`` waited out orchestrator.request_timeout_s for groups the dead worker held credits
+    for, then blamed "engines or rollout workers"."""
+    cfg = build_config(
+        "smoke",
+        None,
+        ["orchestrator.steps=50", "orchestrator.request_timeout_s=600", "eval.before_after=false"],
+    )
+    killed: dict = {}
+    _kill_after_first_step(tmp_path, ["tandem-rollout-0"], killed)
+    try:
+        with pytest.raises(
+            TandemError, match="training stopped at step .*rollout worker 0 died: ActorDiedError"
+        ):
+            train(cfg, tmp_path, quiet=True)
+    finally:
+        ray.shutdown()
+    assert time.monotonic() - killed["at"] < 300  # only a hang check: before, it took the 600 s timeout
+
+
+@pytest.mark.slow
+def test_an_engine_dying_in_the_final_evaluation_is_reported_with_what_was_saved(tmp_path):
+    """Before, the run ended in a traceback (``RayTaskError(EvaluationError)``) that never said the final
+    checkpoint and model were written, and the actors were left to Ray's shutdown. The engine dies as the
+    final checkpoint appears (with checkpoint_every=0, the only one), before the evaluation can finish a
+    session, so every session of it fails."""
+    cfg = build_config("smoke", None, ["orchestrator.steps=1", "train.checkpoint_every=0"])
+    killed: dict = {}
+    _kill_after_first_step(tmp_path, ["tandem-engine-0"], killed, when="checkpoints/step_000001")
+    said = (
+        "training finished .*step_000001 and .*final_model are written.*, but evaluating the final model "
+        "failed: EvaluationError.*engine 0 died"
+    )
+    try:
+        with pytest.raises(TandemError, match=said):
+            train(cfg, tmp_path, quiet=True)
+    finally:
+        ray.shutdown()
+    assert "at" in killed
 
 
 @pytest.mark.slow

@@ -47,6 +47,22 @@ def test_a_resume_with_nothing_left_to_train_is_refused_before_starting(tmp_path
     assert not (tmp_path / "final_model").exists()
 
 
+def test_a_resume_of_a_run_that_failed_before_its_first_checkpoint_says_what_works(tmp_path):
+    """Before, ``--resume`` answered "start without it", and starting without it was refused because the
+    run dir holds metrics rows ("Pass --resume to continue it"): each sent the user to the other."""
+    from tandem.orchestrator import train
+
+    cfg = load_config(overrides=["engine.kind='builtin'", "orchestrator.steps=6"])
+    (tmp_path / "config.toml").write_text(dump_config(cfg))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')  # it failed at step 1 (checkpoint_every=10)
+    with pytest.raises(TandemError, match="stopped before its first checkpoint .* new --run-dir, or remove"):
+        train(cfg, tmp_path, resume=True)
+    (tmp_path / "metrics.jsonl").unlink()  # a run that never logged a step: starting without --resume works
+    with pytest.raises(FileNotFoundError, match="no checkpoint under .*; start without it"):
+        train(cfg, tmp_path, resume=True)
+    assert check_run_dir(cfg, tmp_path, resume=False) == (cfg, [])
+
+
 def test_a_damaged_latest_checkpoint_is_refused_before_ray_starts(tmp_path):
     """A truncated ``trainer_state.json`` of the latest checkpoint had been skipped silently: the run resumed
     from the one before and wrote its steps into metrics.jsonl twice. ``[]`` or ``"version": null`` there

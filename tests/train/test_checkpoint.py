@@ -120,6 +120,28 @@ def test_atomic_dir_keeps_previous_checkpoint_on_failure(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ck"]
 
 
+def test_the_next_write_removes_what_a_killed_writer_left(tmp_path):
+    """A trainer killed while saving left ``.step_N.tmp-PID`` (a whole model copy) for good: the next write
+    comes from another process (the resumed run's trainer), which removed only its own pid's temporaries."""
+    import subprocess
+    import sys
+
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)  # fmt: skip
+    root = tmp_path / "checkpoints"
+    killed = root / f".step_000001.tmp-{gone}"  # killed mid-save
+    replaced = root / f".step_000002.old-{gone}"  # killed after putting the new step_000002 in place
+    only_copy = root / f".step_000003.old-{gone}"  # killed between the renames: the only complete copy
+    running = root / ".step_000004.tmp-1"  # a live writer's (pid 1 always exists)
+    for d in (killed, replaced, root / "step_000002", only_copy, running):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x")
+    with atomic_dir(root / "step_000005") as d:
+        (d / "a.txt").write_text("new")
+    assert not killed.exists() and not replaced.exists()
+    assert only_copy.is_dir() and running.is_dir() and (root / "step_000002").is_dir()
+
+
 def test_loading_a_mismatched_checkpoint_names_the_problem(model_dir, tmp_path):
     other = Qwen3Config(
         vocab_size=512, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,

@@ -264,15 +264,16 @@ class RolloutActor:
         finally:
             self.outstanding[i] -= 1
 
-    async def produce(self) -> None:
-        """Loop until stopped: take a credit, run a group, put it in the buffer."""
+    async def produce(self) -> str | None:
+        """Loop until stopped: take a credit, run a group, put it in the buffer. Returns why it stopped on
+        its own (None when stopped, or when the buffer closed); the driver stops the run then."""
         self.running = True
         limit = asyncio.Semaphore(self.cfg.rollout.groups_in_flight)
         while self.running:
             await limit.acquire()
             if all(self.dead):
                 self.errors.append("every engine is dead; this worker stops producing")
-                break
+                return "every engine is dead"
             if not self.running or not await self.buffer.acquire_credit.remote():
                 limit.release()
                 break
@@ -280,6 +281,7 @@ class RolloutActor:
             t = asyncio.create_task(self._one_group(task, limit))
             self.inflight.add(t)
             t.add_done_callback(self.inflight.discard)
+        return None
 
     async def _one_group(self, task: Task, limit: asyncio.Semaphore) -> None:
         from tandem.env.harness import session_error

@@ -160,6 +160,7 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
         "staleness_hist": result.staleness_hist,
         "heldout_pass1_before": None if not result.eval_before else result.eval_before["pass@1"],
         "heldout_pass1_after": None if not result.eval_after else result.eval_after["pass@1"],
+        "lost": result.lost,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
@@ -172,6 +173,7 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
         f"- trainer busy {result.trainer_busy:.2f}, engine busy {result.engine_busy:.2f}"
         + ("" if cores is None else f", machine cores busy {cores:.2f} of {os.cpu_count()}"),
         f"- staleness histogram: {json.dumps(result.staleness_hist)}",
+        *(f"- lost during the run, which went on without it: {line}" for line in result.lost),
     ]
     if rows:
         first, last = rows[: max(1, len(rows) // 5)], rows[-max(1, len(rows) // 5) :]

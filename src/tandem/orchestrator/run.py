@@ -9,6 +9,11 @@ Invariants:
   updated to v+1 before the next batch starts (the comparison baseline).
 - Every step appends one line to ``metrics.jsonl``; checkpoints are atomic; ``resume`` continues from the
   latest checkpoint's version with the same config.
+- Faults: the run goes on without a dead engine while another lives, and without a dead host leader
+  (``EngineFleet``, ``WeightPath``; each loss is noted on the progress line, counted in the metrics row's
+  ``engines_alive`` and listed in the report). A dead rollout worker, buffer or trainer stops the run at
+  once with an error naming it: the credits of a dead worker's groups never come back, so ``take`` would
+  otherwise wait out ``request_timeout_s``.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from tandem.core.errors import TandemError
 from tandem.core.procs import busy_cores, cpu_ticks
 from tandem.core.stopping import StoppedError, StopRequested, raise_if_stopping, stop_on_signals
 from tandem.orchestrator.actors import BufferActor, EngineActor, RolloutActor, TrainerActor
+from tandem.orchestrator.fleet import EngineFleet
 from tandem.orchestrator.metrics import MetricsLogger, ProgressLine
-from tandem.orchestrator.rundir import check_run_dir
+from tandem.orchestrator.rundir import check_run_dir, previous_run
 from tandem.orchestrator.weightpath import WeightPath
 
 STOP_WAIT_S = 30.0
@@ -59,6 +65,8 @@ class RunResult:
     machine_busy_cores: float | None = None
     """Mean number of the driver machine's cores busy (all its processes, tandem's or not) during the
     training loop; None where ``/proc/stat`` cannot be read."""
+    lost: list[str] = field(default_factory=list)
+    """The actors the run lost and went on without (a dead engine, the host leader), one line each."""
 
     @property
     def samples_per_s(self) -> float:
@@ -94,8 +102,16 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
     if resume:
         ckpt = latest_checkpoint(run_dir)
         if ckpt is None:
-            raise FileNotFoundError(
-                f"--resume: no checkpoint under {run_dir / 'checkpoints'}; start without it"
+            if previous_run(run_dir) is None:
+                raise FileNotFoundError(
+                    f"--resume: no checkpoint under {run_dir / 'checkpoints'}; start without it"
+                )
+            # e.g. a run that failed before its first checkpoint: a new run refuses its metrics rows, so
+            # "start without it" would only send the user back here
+            raise TandemError(
+                f"--resume: {run_dir} holds a run that stopped before its first checkpoint "
+                f"(train.checkpoint_every={cfg.train.checkpoint_every}), so there is nothing to continue; "
+                f"start it over with a new --run-dir, or remove {run_dir} first"
             )
         resume_dir = str(ckpt)
         state = read_state(ckpt)
@@ -178,10 +194,13 @@ def _run(
             for i in range(cfg.engine.num_engines)
         ]
         st.workers = workers = [
-            RolloutActor.remote(cfg, engines, buffer, i, cfg.rollout.num_workers)
+            RolloutActor.options(name=f"tandem-rollout-{i}").remote(
+                cfg, engines, buffer, i, cfg.rollout.num_workers
+            )
             for i in range(cfg.rollout.num_workers)
         ]
-        weights.connect(trainer, engines, run_dir)
+        fleet = EngineFleet(engines)
+        weights.connect(trainer, fleet, run_dir)
         # Wait until every actor has finished starting, so the clock below measures steady-state work.
         ray.get([e.stats.remote() for e in engines] + [w.get_errors.remote() for w in workers])
         version = ray.get(trainer.version.remote())
@@ -189,7 +208,7 @@ def _run(
         st.saved_step = version if resume else None
         # Engines serve the starting version exactly as published (resumed runs: the checkpoint's weights).
         if weights.delta or version > 0:
-            weights.start(trainer, engines, version)
+            weights.start(trainer, version)
     except Exception as e:
         raise_if_stopping(e)  # a stop signal's exception, mangled by C code
         st.release()
@@ -215,31 +234,31 @@ def _run(
         (run_dir / "eval_before.json").write_text(json.dumps(eval_before, indent=2))
 
     ray.get(buffer.grant.remote((o.max_staleness + 1) * b if o.mode == "async" else b))
-    for w in workers:
-        w.produce.remote()
+    producing = [w.produce.remote() for w in workers]  # each returns only when its worker stops or dies
 
     hist: dict[str, int] = {}
     history: list[dict[str, Any]] = []
     recent_pairs: deque[list[list[float]]] = deque(maxlen=MISMATCH_STEPS)
     samples_total, trainer_busy_s = 0, 0.0
-    engine0 = _engine_totals(engines)
+    engine0 = fleet.totals()
     engine_last = engine0
     ticks0 = cpu_ticks()
     start = time.monotonic()
     step = version
+    lost: list[str] = []
     try:
         while step < o.steps:
             if o.time_budget_s and time.monotonic() - start > o.time_budget_s:
                 break
             t_wait = time.monotonic()
-            groups, info = ray.get(buffer.take.remote(b, version, o.max_staleness, o.request_timeout_s))
+            groups, info = _take(buffer, producing, b, version, o)
             wait_s = time.monotonic() - t_wait
             if o.mode == "async":
                 buffer.grant.remote(b)
             t_train = time.monotonic()
             metrics = ray.get(trainer.step.remote(groups))
             recent_pairs.append(metrics.pop("mismatch_pairs", []))  # not a metric: kept for the report only
-            sync_metrics = weights.after_step(trainer, engines, step + 1, wait=o.mode == "sync")
+            sync_metrics = weights.after_step(trainer, step + 1, wait=o.mode == "sync")
             train_s = time.monotonic() - t_train
             version = step = step + 1
             if o.mode == "sync":
@@ -250,7 +269,7 @@ def _run(
             for lag in info["staleness"]:
                 hist[str(lag)] = hist.get(str(lag), 0) + 1
             elapsed = time.monotonic() - start
-            engine_now = _engine_totals(engines)
+            engine_now = fleet.totals()
             engine_busy = (engine_now["busy_s"] - engine0["busy_s"]) / max(elapsed * len(engines), 1e-9)
             row = _step_row(
                 step, version, groups, metrics, info, samples, samples_total, elapsed, trainer_busy_s
@@ -259,7 +278,10 @@ def _run(
             cores = busy_cores(ticks0, cpu_ticks())
             if cores is not None:
                 row["machine_busy_cores"] = cores
-            row.update(sync_metrics)
+            row.update(sync_metrics, engines_alive=len(fleet.live()))
+            for line in [*fleet.lost, *weights.lost][len(lost) :]:
+                progress.note(f"lost {line}; the run goes on")
+            lost = [*fleet.lost, *weights.lost]
             engine_last = engine_now
             logger.log(row)
             st.step = step
@@ -275,13 +297,20 @@ def _run(
             (run_dir / "rollout_errors.log").write_text("\n".join(errors))
         st.release()
         cause = getattr(e, "cause", None) or e
+        saved = (
+            f"the latest checkpoint is {_checkpoint_dir(run_dir, st.saved_step)}; continue with "
+            f"`tandem train --run-dir {run_dir} --resume`"
+            if st.saved_step
+            else "no checkpoint was written, so the run starts over in a new --run-dir"
+        )
         raise TandemError(
             f"training stopped at step {step}: {type(cause).__name__}: {cause}"
             + (f" (last rollout error: {errors[-1]})" if errors and errors[-1] not in str(cause) else "")
+            + f". {saved}"
         ) from e
     wall = time.monotonic() - start
     machine_cores = busy_cores(ticks0, cpu_ticks())
-    engine_busy = (_engine_totals(engines)["busy_s"] - engine0["busy_s"]) / max(wall * len(engines), 1e-9)
+    engine_busy = (fleet.totals()["busy_s"] - engine0["busy_s"]) / max(wall * len(engines), 1e-9)
     weights.finish(trainer)
     ray.get([w.stop.remote() for w in workers])
     ray.get(buffer.close.remote())
@@ -296,7 +325,17 @@ def _run(
     eval_after = None
     if cfg.eval.before_after:
         progress.note("evaluating the final model on the held-out split")
-        eval_after = _evaluate(cfg, workers[0], eval_tasks)
+        try:
+            eval_after = _evaluate(cfg, workers[0], eval_tasks)
+        except Exception as e:  # e.g. the last engine died: what training wrote is complete, say so
+            raise_if_stopping(e)  # a stop signal's exception, mangled by C code
+            st.release()
+            cause = getattr(e, "cause", None) or e
+            raise TandemError(
+                f"training finished ({_checkpoint_dir(run_dir, step)} and {run_dir / 'final_model'} are "
+                f"written), but evaluating the final model failed: {type(cause).__name__}: {cause}; "
+                f"`tandem eval --model {run_dir / 'final_model'}` evaluates it again"
+            ) from e
         (run_dir / "eval_after.json").write_text(json.dumps(eval_after, indent=2))
     result = RunResult(
         steps=len(history),
@@ -311,6 +350,7 @@ def _run(
         history=history,
         mismatch_pairs=[p for pairs in recent_pairs for p in pairs],
         machine_busy_cores=machine_cores,
+        lost=[*fleet.lost, *weights.lost],
     )
     st.release()
     from tandem.orchestrator.report import write_report
@@ -409,14 +449,21 @@ def _evaluate(cfg: RunConfig, worker, tasks) -> dict[str, Any]:
     return ray.get(worker.evaluate.remote(tasks, e.samples_per_task, e.temperature, ks))
 
 
-_ENGINE_TOTALS = ("busy_s", "prefill_tokens", "prefix_hit_tokens", "steps", "tokens_generated")
+def _take(buffer, producing: list, n: int, version: int, o) -> tuple[list, dict[str, Any]]:
+    """``buffer.take``, except that a rollout worker whose ``produce`` call ends first (it died, or gave up
+    producing) stops the run at once, naming it: the groups it held credits for never come back."""
+    from ray.exceptions import RayActorError
 
-
-def _engine_totals(engines) -> dict[str, float]:
-    """The engines' cumulative counters, summed: busy seconds, prefilled prompt tokens, prompt tokens
-    served from parked KV (prefix reuse), decode steps and sampled tokens."""
-    stats = ray.get([e.stats.remote() for e in engines])
-    return {k: float(sum(s.get(k, 0) for s in stats)) for k in _ENGINE_TOTALS}
+    ref = buffer.take.remote(n, version, o.max_staleness, o.request_timeout_s)
+    ready, _ = ray.wait([ref, *producing], num_returns=1)
+    if ref not in ready:
+        i = producing.index(ready[0])
+        try:
+            ray.get(ready[0])
+        except RayActorError as e:
+            raise RuntimeError(f"rollout worker {i} died: {type(e).__name__}: {e}") from e
+        raise RuntimeError(f"rollout worker {i} stopped producing: {ray.get(ready[0]) or 'it was stopped'}")
+    return ray.get(ref)
 
 
 def _prefill_row(before: dict[str, float], now: dict[str, float]) -> dict[str, float]:

@@ -19,20 +19,32 @@ Invariants:
   With ``wait=False`` (async mode) the engines' fetch runs while the trainer trains the next step; the
   previous version's fetch is awaited before a new one is issued, so engines lag the trainer by at most one
   version beyond what the staleness bound already accounts for (every token records its version).
+- An engine that dies is left out of every later sync (``EngineFleet``); the run stops only when none is
+  left. The host leader is an optimisation (an engine leads any step it has not taken): when it dies it is
+  told no further versions and the engines lead; the loss is kept in ``lost``.
+- A host share is named after the driver's host and pid (``tandem-share-<host>-<pid>-<id>``); ``finish``
+  and the run's teardown remove it, and a run that starts a share removes the shares on its host whose
+  driver is gone (killed with SIGKILL or by the OOM killer, it could not): nothing else would, and a share
+  keeps a copy of the weights in memory (``/dev/shm``) until the machine restarts.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import socket
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError
 
 from tandem.core.config import RunConfig
+from tandem.core.procs import pid_alive
 from tandem.orchestrator.actors import HostLeaderActor, RelayActor
+from tandem.orchestrator.fleet import EngineFleet
 
 
 class WeightPath:
@@ -50,18 +62,24 @@ class WeightPath:
         self.relays: list[Any] = []
         self.share_dir: str | None = None
         self.leader: Any = None  # the host's HostLeaderActor, if any
+        self.leader_alive = False
+        self.lost: list[str] = []
+        """What this path lost on the way and went on without (the host leader), one line each."""
+        self.fleet: EngineFleet | None = None
         self._leading: list[Any] = []
-        self._pending: list[Any] = []
+        self._pending: list[tuple[int, Any]] = []
         self.last: dict[str, float] = {}
         self.totals = {"delta_bytes": 0, "raw_bytes": 0, "publishes": 0}
 
     def trainer_store(self) -> str | None:
         return self.store
 
-    def connect(self, trainer, engines: list, run_dir: Path) -> None:
+    def connect(self, trainer, fleet: EngineFleet, run_dir: Path) -> None:
         """On the delta path, connect every engine to the trainer's store (through its relay) and start the
         host leader; returns once every engine is connected (so once each has started). Nothing to do on
         the object-store path."""
+        self.fleet = fleet
+        engines = fleet.engines
         if not self.delta:
             return
         urls = self._engine_urls(trainer, len(engines), run_dir)
@@ -90,35 +108,46 @@ class WeightPath:
             return None
         from tandem.weights.hostshare import default_share_root
 
-        self.share_dir = str(default_share_root() / f"tandem-share-{uuid.uuid4().hex[:16]}")
+        root = default_share_root()
+        prefix = f"tandem-share-{socket.gethostname()}-"
+        for old in root.glob(prefix + "*"):  # a share whose driver died without its teardown
+            pid = old.name[len(prefix) :].split("-")[0]
+            if pid.isdigit() and not pid_alive(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
+        self.share_dir = str(root / f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:16]}")
         return self.share_dir
 
     def _start_leader(self, urls: list[str] | None) -> None:
         """With a host share and ``weights.host_leader``: start the host's leader, fetching from ``urls``
         (an engine's: its relay, then the store server)."""
         if self.share_dir is not None and urls and self.cfg.weights.host_leader:
-            self.leader = HostLeaderActor.remote(urls, self.share_dir, self.cfg.weights.follow_nice)
+            self.leader = HostLeaderActor.options(name="tandem-host-leader").remote(
+                urls, self.share_dir, self.cfg.weights.follow_nice
+            )
+            self.leader_alive = True
 
-    def start(self, trainer, engines, version: int) -> None:
+    def start(self, trainer, version: int) -> None:
         """Make every engine serve ``version`` as published before anything is generated."""
+        assert self.fleet is not None, "connect first"
         if self.delta:
             self._publish(trainer)
-            ray.get(self._lead(version) + [e.follow.remote(version) for e in engines])
+            self._leading = self._lead(version)
+            self._pending = self.fleet.call("follow", version)
+            self._collect()
         else:
-            update = trainer.publish.remote()
-            ray.get([e.update_weights.remote(update) for e in engines])
+            self.fleet.gather(self.fleet.call("update_weights", trainer.publish.remote()))
 
-    def after_step(self, trainer, engines, version: int, wait: bool) -> dict[str, float]:
-        """Publish ``version`` and move the engines to it; returns timing and size metrics."""
+    def after_step(self, trainer, version: int, wait: bool) -> dict[str, float]:
+        """Publish ``version`` and move the live engines to it; returns timing and size metrics."""
+        assert self.fleet is not None, "connect first"
         t0 = time.monotonic()
         if not self.delta:
-            update = trainer.publish.remote()
-            pauses = ray.get([e.update_weights.remote(update) for e in engines])
-            return {"weight_sync_s": time.monotonic() - t0, "engine_pause_s": max(pauses)}
+            pauses = self.fleet.gather(self.fleet.call("update_weights", trainer.publish.remote()))
+            return {"weight_sync_s": time.monotonic() - t0, "engine_pause_s": max(pauses.values())}
         out = self._collect()
         report = self._publish(trainer)
         self._leading = self._lead(version)
-        self._pending = [e.follow.remote(version) for e in engines]
+        self._pending = self.fleet.call("follow", version)
         if wait:
             out = self._collect()
         out.update(
@@ -138,14 +167,20 @@ class WeightPath:
 
     def _lead(self, version: int) -> list[Any]:
         """The host leader's step to ``version``, started (empty without a leader)."""
-        return [self.leader.advance.remote(version)] if self.leader is not None else []
+        return [self.leader.advance.remote(version)] if self.leader_alive else []
 
     def _collect(self) -> dict[str, float]:
-        """Wait for the engines' last fetch; metrics of the slowest engine (empty if nothing was pending)."""
+        """Wait for the live engines' last fetch; metrics of the slowest engine (empty if nothing was
+        pending). A dead engine or host leader is left out from then on (see the module docstring)."""
         if not self._pending:
             return {}
-        results = ray.get(self._pending)
-        ray.get(self._leading)
+        assert self.fleet is not None
+        results = list(self.fleet.gather(self._pending).values())
+        try:
+            ray.get(self._leading)
+        except ActorDiedError as e:
+            self.leader_alive = False
+            self.lost.append(f"the host leader died ({type(e).__name__}); the engines lead each step")
         self._pending, self._leading = [], []
         return {
             "engine_pause_s": max(r["pause_s"] for r in results),

@@ -12,7 +12,9 @@ Invariants:
   (``verify_files``), so a damaged checkpoint is refused naming the file instead of resuming into NaN weights.
 - Replacing an existing checkpoint of the same name never leaves a moment with neither the old nor the new one
   complete on disk except between two renames; a crash leaves at most a hidden ``.tmp``/``.old`` sibling that
-  :func:`latest_checkpoint` ignores and the next write cleans up.
+  :func:`latest_checkpoint` ignores and the next write cleans up, also when the crashed writer was another
+  process (a trainer killed mid-save, then a resumed run): a sibling is removed once its writer's pid is
+  gone, and an ``.old`` one only when the checkpoint it replaced is in place.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +31,7 @@ from typing import Any
 import blake3
 
 from tandem.core.errors import TandemError
+from tandem.core.procs import pid_alive
 
 
 class CheckpointError(TandemError, ValueError):
@@ -63,6 +67,7 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
     for p in (tmp, old):
         if p.exists():
             shutil.rmtree(p)
+    _remove_dead_writers(target.parent)
     tmp.mkdir()
     try:
         yield tmp
@@ -77,6 +82,22 @@ def atomic_dir(target: str | Path) -> Iterator[Path]:
             os.rename(old, target)  # put the previous checkpoint back
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+_SIBLING = re.compile(r"\.(.+)\.(tmp|old)-(\d+)")
+
+
+def _remove_dead_writers(parent: Path) -> None:
+    """Remove the ``.NAME.tmp-PID``/``.NAME.old-PID`` siblings in ``parent`` whose writer (PID, on this
+    host: a run's checkpoints are written by its one trainer) is gone; an ``.old`` one only when NAME is
+    in place, since between the two renames it is the only complete copy."""
+    for p in parent.iterdir():
+        m = _SIBLING.fullmatch(p.name)
+        if m is None or not p.is_dir() or pid_alive(int(m.group(3))):
+            continue
+        if m.group(2) == "old" and not (parent / m.group(1)).is_dir():
+            continue
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def _fsync_dir(path: Path) -> None:
