@@ -2,7 +2,10 @@
 engine lives (and without its host leader), and stops with an error naming what died otherwise, never
 hanging."""
 
+import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -109,6 +112,49 @@ def test_a_run_goes_on_without_a_dead_engine_and_its_host_leader(tmp_path):
     assert all(line in report for line in result.lost)
     assert tandem_debris() <= before  # the run's host share is removed as after any run
     assert not stale.exists()
+
+
+@pytest.mark.slow
+def test_a_hung_engine_is_killed_and_the_run_goes_on_without_it(tmp_path):
+    """One of two engines is stopped (SIGSTOP: alive to Ray, answering nothing) after step 1. Before, the
+    driver's next weight sync or stats call to it waited for ever. Now an engine that does not answer within
+    orchestrator.request_timeout_s is killed and counted lost, and the run finishes on the other."""
+    cfg = build_config(
+        "smoke",
+        None,
+        [
+            "orchestrator.steps=4",
+            "engine.num_engines=2",
+            "orchestrator.request_timeout_s=20",
+            "eval.before_after=false",
+        ],
+    )
+    stopped: dict = {}
+
+    def stopper():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text():
+                engine = ray.get_actor("tandem-engine-1")
+                stopped["pid"] = ray.get(engine.__ray_call__.remote(lambda _: os.getpid()))
+                os.kill(stopped["pid"], signal.SIGSTOP)
+                return
+            time.sleep(0.01)
+
+    threading.Thread(target=stopper, daemon=True).start()
+    try:
+        result = train(cfg, tmp_path, quiet=True)
+    finally:
+        if "pid" in stopped:  # never leave a stopped process behind, whatever happened
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped["pid"], signal.SIGKILL)
+        ray.shutdown()
+    assert "pid" in stopped
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["engines_alive"] == 1
+    assert result.lost == [
+        "engine 1 hung (did not answer within 20 s (orchestrator.request_timeout_s); killed)"
+    ]
 
 
 @pytest.mark.slow

@@ -5,7 +5,11 @@ Invariants:
   crashed); any other error of a call is raised to the caller as before.
 - The run goes on while one engine lives: rollout workers already route around a dead engine and requeue the
   groups whose sessions it ended (``RolloutActor._generate``), and the driver stops calling it (weight
-  syncs, stats). When the last engine dies, ``gather`` raises ``EngineLostError`` naming each one.
+  syncs, stats). When the last engine dies (or hangs), ``gather`` raises ``EngineLostError`` naming each one.
+- An engine that does not answer a call within ``answer_within_s`` (``orchestrator.request_timeout_s``) is
+  taken as hung (a stopped process, a wedged device): it is killed, so nothing waits on it again (rollout
+  workers' calls to it then fail and are requeued), and counted lost like a dead one. Before, a hung engine
+  blocked the driver's next weight sync or stats call for ever.
 - A dead engine's counters stay at their last reading, so the run's totals never go backwards.
 - Every loss is kept in ``lost`` (one line per engine, saying why), for the progress line, the metrics row
   (``engines_alive``) and the report.
@@ -31,8 +35,9 @@ class EngineLostError(TandemError):
 class EngineFleet:
     """The engine actors of one run (their order is their index, as in ``tandem-engine-<i>``)."""
 
-    def __init__(self, engines: list) -> None:
+    def __init__(self, engines: list, answer_within_s: float = 300.0) -> None:
         self.engines = list(engines)
+        self.answer_within_s = answer_within_s
         self.dead: dict[int, str] = {}
         self.lost: list[str] = []
         self._last_stats: list[dict[str, Any]] = [{} for _ in self.engines]
@@ -48,7 +53,13 @@ class EngineFleet:
         """The results of ``call``'s refs by engine index; an engine whose call found it dead is marked so and
         left out. Raises ``EngineLostError`` when no engine is left."""
         results: dict[int, Any] = {}
+        refs = [ref for _, ref in calls]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.answer_within_s) if refs else ([], [])
+        done = set(ready)
         for i, ref in calls:
+            if ref not in done:  # module invariants: hung, killed
+                self._mark_hung(i)
+                continue
             try:
                 results[i] = ray.get(ref)
             except ActorDiedError as e:
@@ -63,6 +74,17 @@ class EngineFleet:
             reason = text.splitlines()[-1].split(". ")[0].rstrip(".") if text else "no reason given"
             self.dead[i] = reason
             self.lost.append(f"engine {i} died ({type(e).__name__}: {reason})")
+
+    def _mark_hung(self, i: int) -> None:
+        if i in self.dead:
+            return
+        reason = f"did not answer within {self.answer_within_s:g} s (orchestrator.request_timeout_s); killed"
+        self.dead[i] = reason
+        self.lost.append(f"engine {i} hung ({reason})")
+        try:
+            ray.kill(self.engines[i], no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone: nothing left to stop
+            pass
 
     def totals(self) -> dict[str, float]:
         """The engines' cumulative counters, summed (a dead engine's at its last reading): busy seconds,

@@ -199,7 +199,7 @@ def _run(
             )
             for i in range(cfg.rollout.num_workers)
         ]
-        fleet = EngineFleet(engines)
+        fleet = EngineFleet(engines, o.request_timeout_s)
         weights.connect(trainer, fleet, run_dir)
         # Wait until every actor has finished starting, so the clock below measures steady-state work.
         ray.get([e.stats.remote() for e in engines] + [w.get_errors.remote() for w in workers])
