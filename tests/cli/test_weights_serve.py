@@ -42,18 +42,9 @@ def test_serve_prints_its_url_answers_and_stops_on_ctrl_c(tmp_path):
     store = WeightStore.open(tmp_path / "store", create=True)
     store.publish(0, None, "full", "h0", {"w": b"weights"})
     store.close()
-    code = "import typer; from tandem.cli.weights_serve import serve; typer.run(serve)"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    args = [sys.executable, "-c", code, "--store", str(tmp_path / "store"), "--port", "0"]
     # Started with SIGINT ignored, as a non-interactive shell starts a background job: Ctrl-C still stops it.
-    proc = subprocess.Popen(
-        args,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # noqa: PLW1509 - test only
+    proc = _start_serve(
+        tmp_path / "store", lambda: signal.signal(signal.SIGINT, signal.SIG_IGN), subprocess.PIPE
     )
     try:
         line = proc.stdout.readline()
@@ -138,21 +129,14 @@ def test_ctrl_c_sent_the_moment_the_url_appears_still_stops_the_server(tmp_path)
                 proc.wait()
 
 
-def _start_serve(store_dir: Path, nofile: int) -> subprocess.Popen:
-    import resource
-
+def _start_serve(store_dir: Path, preexec, stderr=subprocess.DEVNULL) -> subprocess.Popen:
+    """`tandem weights serve --store STORE_DIR --port 0` in a child process that runs ``preexec`` first."""
     code = "import typer; from tandem.cli.weights_serve import serve; typer.run(serve)"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     args = [sys.executable, "-c", code, "--store", str(store_dir), "--port", "0"]
     return subprocess.Popen(
-        args,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)),  # noqa: PLW1509
-    )
+        args, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, preexec_fn=preexec
+    )  # noqa: PLW1509 - test only
 
 
 def test_idle_and_slowloris_connections_beyond_the_fd_limit_never_lock_clients_out(tmp_path):
@@ -165,7 +149,11 @@ def test_idle_and_slowloris_connections_beyond_the_fd_limit_never_lock_clients_o
     manifest = store.publish(0, None, "full", "h0", blobs)
     store.close()
     nofile = 96
-    proc = _start_serve(tmp_path / "store", nofile)
+    import resource
+
+    proc = _start_serve(
+        tmp_path / "store", lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+    )
     flood: list[socket.socket] = []
     try:
         line = proc.stdout.readline()
