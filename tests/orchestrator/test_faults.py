@@ -114,16 +114,31 @@ def test_a_run_goes_on_without_a_dead_engine_and_its_host_leader(tmp_path):
     assert not stale.exists()
 
 
+def _hold_lock_and_stop(actor, lock_path: str) -> None:
+    """In an engine actor's process: take the host share's exclusive lock, then stop the process."""
+    import fcntl
+
+    actor.held_lock_fd = os.open(lock_path, os.O_RDWR)
+    fcntl.flock(actor.held_lock_fd, fcntl.LOCK_EX)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 @pytest.mark.slow
 def test_a_hung_engine_is_killed_and_the_run_goes_on_without_it(tmp_path):
-    """One of two engines is stopped (SIGSTOP: alive to Ray, answering nothing) after step 1. Before, the
-    driver's next weight sync or stats call to it waited for ever. Now an engine that does not answer within
-    orchestrator.request_timeout_s is killed and counted lost, and the run finishes on the other."""
+    """One of two engines is stopped (SIGSTOP: alive to Ray, answering nothing) after step 1, holding the
+    host share's lock, which the other engine needs to lead the next step. Before, the driver's next weight
+    sync or stats call to it waited for ever; then, with a deadline, the other engine, blocked on the lock,
+    missed it too and was killed as hung, which ended the run ("every engine died"); and while the driver
+    waited for groups, which all had a session stuck on the stopped engine, nothing looked at the engines
+    until ``take`` timed out. Now the driver pings the engines while it waits and at a missed deadline; an
+    engine that does not answer is killed and counted lost, the other gets the lock and answers, the
+    requeued groups run on it, and the run finishes."""
     cfg = build_config(
         "smoke",
         None,
         [
             "orchestrator.steps=4",
+            "orchestrator.mode=sync",
             "engine.num_engines=2",
             "orchestrator.request_timeout_s=20",
             "eval.before_after=false",
@@ -137,7 +152,9 @@ def test_a_hung_engine_is_killed_and_the_run_goes_on_without_it(tmp_path):
             if (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text():
                 engine = ray.get_actor("tandem-engine-1")
                 stopped["pid"] = ray.get(engine.__ray_call__.remote(lambda _: os.getpid()))
-                os.kill(stopped["pid"], signal.SIGSTOP)
+                prefix = f"tandem-share-{socket.gethostname()}-{os.getpid()}-"
+                (share,) = default_share_root().glob(prefix + "*")
+                engine.__ray_call__.remote(_hold_lock_and_stop, str(share / "lock"))
                 return
             time.sleep(0.01)
 
@@ -152,9 +169,7 @@ def test_a_hung_engine_is_killed_and_the_run_goes_on_without_it(tmp_path):
     assert "pid" in stopped
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["engines_alive"] == 1
-    assert result.lost == [
-        "engine 1 hung (did not answer within 20 s (orchestrator.request_timeout_s); killed)"
-    ]
+    assert result.lost == ["engine 1 hung (did not answer a ping within 10 s; killed)"]
 
 
 @pytest.mark.slow
@@ -176,6 +191,52 @@ def test_a_dead_rollout_worker_stops_the_run_at_once_naming_it(tmp_path):
     finally:
         ray.shutdown()
     assert time.monotonic() - killed["at"] < 300  # only a hang check: before, it took the 600 s timeout
+
+
+@pytest.mark.slow
+def test_a_crashed_rollout_worker_is_restarted_and_a_dead_one_left_out(tmp_path):
+    """Two rollout workers after step 1: worker 1's process is SIGKILLed (a crash: Ray restarts it) and
+    worker 0 is killed for good. Before, either death stopped the run ("rollout worker N died"): the credits
+    of the dead worker's groups in flight never came back. Now the credits are reclaimed, worker 1 is
+    restarted and produces again, the run finishes every step on it and evaluates on it, and the report
+    says what happened. What the crashed process's sandboxes left is swept by its restarted process."""
+    cfg = build_config(
+        "smoke",
+        None,
+        ["orchestrator.steps=4", "rollout.num_workers=2", "train.checkpoint_every=0"],
+    )
+    before = tandem_debris()
+    killed: dict = {}
+
+    def killer():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text():
+                crashing = ray.get_actor("tandem-rollout-1")
+                os.kill(ray.get(crashing.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
+                ray.kill(ray.get_actor("tandem-rollout-0"))
+                killed["at"] = time.monotonic()
+                return
+            time.sleep(0.01)
+
+    threading.Thread(target=killer, daemon=True).start()
+    try:
+        result = train(cfg, tmp_path, quiet=True)
+    finally:
+        ray.shutdown()
+    assert "at" in killed
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and result.version == 4
+    assert result.lost == ["rollout worker 0 died (ActorDiedError); not restarted"]
+    assert len(result.restarted) == 1
+    assert result.restarted[0].startswith("rollout worker 1 died (")
+    assert result.restarted[0].endswith("restarted (1 of orchestrator.worker_restarts=3)")
+    assert result.eval_after is not None and result.eval_after["n"] == 4
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["lost"] == result.lost and summary["restarted"] == result.restarted
+    report = (tmp_path / "report.md").read_text()
+    assert all(line in report for line in result.lost + result.restarted)
+    assert tandem_debris() <= before
 
 
 @pytest.mark.slow

@@ -8,6 +8,11 @@ Invariants:
   counted.
 - A group that fails or times out returns its credit and its task is requeued; no call waits forever:
   ``take`` raises after ``request_timeout_s`` without progress.
+- Credits are held per *producer*: the token the driver passes to one ``produce`` call of one rollout worker
+  process. When that process dies the driver calls ``reclaim(token)``: the credits of the groups it had in
+  flight return to the pool, and whatever the dead producer still had on its way to the buffer is accounted
+  so that no credit is lost or made: a waiting ``acquire_credit`` of it gets none, a late ``put`` of it
+  keeps its group and uses one credit of the pool, a late ``failed`` of it returns nothing.
 - Engines apply a weight update only after verifying its content hash: the full ``WeightUpdate`` of the
   object-store path, or, on the delta path (``weights.transport = "delta"``), every version they fetch from
   the trainer's weight store (``tandem.engine.follow``), through relays when configured.
@@ -97,6 +102,11 @@ class EngineActor:
         await asyncio.to_thread(self.engine.update_weights, update.version, update.tensors)
         return time.monotonic() - t0
 
+    async def ping(self) -> bool:
+        """Answers at once while the actor's process runs, whatever its other calls are waiting on (the
+        fleet tells a hung engine from one blocked behind it by this)."""
+        return True
+
     async def stats(self) -> dict[str, Any]:
         out = {**self.engine.stats(), **self.engine.health()}
         if self.weight_sync is not None:
@@ -122,10 +132,14 @@ class BufferActor:
     def __init__(self, max_groups: int) -> None:
         self.groups: deque[Group] = deque()
         self.credits = 0
+        self.held: dict[str, int] = {}
+        """Credits each live producer holds (groups it runs or is putting)."""
+        self.reclaimed: set[str] = set()
+        """Producers whose process died and whose credits went back to the pool."""
         self.closed = False
         self.cond = asyncio.Condition()
         self.max_groups = max_groups
-        self.counters = {"produced": 0, "dropped_stale": 0, "failed": 0, "taken": 0}
+        self.counters = {"produced": 0, "dropped_stale": 0, "failed": 0, "taken": 0, "reclaimed": 0}
         self.last_progress = time.monotonic()
         self.failed_in_a_row = 0  # groups failed since the last one that finished
         self.last_failure = ""
@@ -135,31 +149,61 @@ class BufferActor:
             self.credits += n
             self.cond.notify_all()
 
-    async def acquire_credit(self) -> bool:
+    async def acquire_credit(self, producer: str = "") -> bool:
+        """Wait for a credit and hold it for ``producer``; False once the buffer is closed or the producer
+        was reclaimed (its process died while it waited: nobody would use the credit)."""
         async with self.cond:
-            await self.cond.wait_for(lambda: self.closed or self.credits > 0)
-            if self.closed:
+            await self.cond.wait_for(lambda: self.closed or producer in self.reclaimed or self.credits > 0)
+            if self.closed or producer in self.reclaimed:
                 return False
             self.credits -= 1
+            self.held[producer] = self.held.get(producer, 0) + 1
             return True
 
-    async def put(self, group: Group) -> None:
+    def _release(self, producer: str) -> bool:
+        """Drop one credit ``producer`` holds; False when it holds none (it was reclaimed)."""
+        if self.held.get(producer, 0) <= 0:
+            return False
+        self.held[producer] -= 1
+        return True
+
+    async def put(self, group: Group, producer: str = "") -> None:
         async with self.cond:
+            if not self._release(producer):
+                self.credits -= 1  # its credit already went back with the reclaim: this group uses one
             self.groups.append(group)
             self.counters["produced"] += 1
             self.failed_in_a_row = 0
             self.last_progress = time.monotonic()
             self.cond.notify_all()
 
-    async def failed(self, reason: str = "") -> None:
+    async def failed(self, reason: str = "", producer: str = "") -> None:
         """A group failed: give its credit back so another one starts (``take`` gives up after
         ``FAIL_FAST_GROUPS`` failures in a row)."""
         async with self.cond:
             self.counters["failed"] += 1
             self.failed_in_a_row += 1
             self.last_failure = reason or self.last_failure
-            self.credits += 1
+            if self._release(producer):
+                self.credits += 1
             self.cond.notify_all()
+
+    async def restart_idle_clock(self) -> None:
+        """Count now as progress for ``take``'s ``timeout_s`` (the driver removed a hung engine: the groups
+        that waited on it are requeued now and get a full period to finish)."""
+        async with self.cond:
+            self.last_progress = time.monotonic()
+
+    async def reclaim(self, producer: str) -> int:
+        """``producer``'s process died: its held credits go back to the pool (returns how many), and its
+        calls still on their way are accounted as the module docstring says."""
+        async with self.cond:
+            self.reclaimed.add(producer)
+            n = self.held.pop(producer, 0)
+            self.credits += n
+            self.counters["reclaimed"] += n
+            self.cond.notify_all()
+            return n
 
     async def take(
         self, n: int, trainer_version: int, max_staleness: int, timeout_s: float
@@ -264,9 +308,11 @@ class RolloutActor:
         finally:
             self.outstanding[i] -= 1
 
-    async def produce(self) -> str | None:
+    async def produce(self, producer: str = "") -> str | None:
         """Loop until stopped: take a credit, run a group, put it in the buffer. Returns why it stopped on
-        its own (None when stopped, or when the buffer closed); the driver stops the run then."""
+        its own (None when stopped, or when the buffer closed); the driver stops the run then. ``producer``
+        names this call in the buffer's credit accounting (the driver reclaims its credits if this process
+        dies)."""
         self.running = True
         limit = asyncio.Semaphore(self.cfg.rollout.groups_in_flight)
         while self.running:
@@ -274,16 +320,16 @@ class RolloutActor:
             if all(self.dead):
                 self.errors.append("every engine is dead; this worker stops producing")
                 return "every engine is dead"
-            if not self.running or not await self.buffer.acquire_credit.remote():
+            if not self.running or not await self.buffer.acquire_credit.remote(producer):
                 limit.release()
                 break
             task = next(self.stream)
-            t = asyncio.create_task(self._one_group(task, limit))
+            t = asyncio.create_task(self._one_group(task, limit, producer))
             self.inflight.add(t)
             t.add_done_callback(self.inflight.discard)
         return None
 
-    async def _one_group(self, task: Task, limit: asyncio.Semaphore) -> None:
+    async def _one_group(self, task: Task, limit: asyncio.Semaphore, producer: str) -> None:
         from tandem.env.harness import session_error
         from tandem.rollout.worker import MAX_TASK_ATTEMPTS
 
@@ -297,14 +343,14 @@ class RolloutActor:
             reasons = [session_error(t) for t in group.trajectories]
             if all(reasons):
                 raise RuntimeError(f"no session of the group left anything to train on: {reasons[0]}")
-            await self.buffer.put.remote(group)
+            await self.buffer.put.remote(group, producer)
         except Exception as e:  # noqa: BLE001 - requeue and keep producing
             reason = f"group {task.id}: {type(e).__name__}: {e}"
             if not self.stream.requeue(task):
                 reason += f" (task dropped after {MAX_TASK_ATTEMPTS} failed attempts)"
             self.errors.append(reason)
             await asyncio.sleep(1.0)  # back off so a broken engine does not turn into a busy loop
-            await self.buffer.failed.remote(reason)
+            await self.buffer.failed.remote(reason, producer)
         finally:
             limit.release()
 

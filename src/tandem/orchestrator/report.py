@@ -161,6 +161,7 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
         "heldout_pass1_before": None if not result.eval_before else result.eval_before["pass@1"],
         "heldout_pass1_after": None if not result.eval_after else result.eval_after["pass@1"],
         "lost": result.lost,
+        "restarted": result.restarted,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
 
@@ -174,6 +175,7 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
         + ("" if cores is None else f", machine cores busy {cores:.2f} of {os.cpu_count()}"),
         f"- staleness histogram: {json.dumps(result.staleness_hist)}",
         *(f"- lost during the run, which went on without it: {line}" for line in result.lost),
+        *(f"- restarted during the run: {line}" for line in result.restarted),
     ]
     if rows:
         first, last = rows[: max(1, len(rows) // 5)], rows[-max(1, len(rows) // 5) :]

@@ -11,9 +11,10 @@ Invariants:
   latest checkpoint's version with the same config.
 - Faults: the run goes on without a dead engine while another lives, and without a dead host leader
   (``EngineFleet``, ``WeightPath``; each loss is noted on the progress line, counted in the metrics row's
-  ``engines_alive`` and listed in the report). A dead rollout worker, buffer or trainer stops the run at
-  once with an error naming it: the credits of a dead worker's groups never come back, so ``take`` would
-  otherwise wait out ``request_timeout_s``.
+  ``engines_alive`` and listed in the report). A rollout worker whose process dies has its groups' credits
+  reclaimed and is restarted up to ``orchestrator.worker_restarts`` times, then left out; the run stops,
+  naming it, only when no worker is left (``RolloutCrew``; restarts and losses are noted and reported like
+  the engines'). A dead buffer or trainer stops the run at once with an error naming it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from tandem.core.errors import TandemError
 from tandem.core.procs import busy_cores, cpu_ticks
 from tandem.core.stopping import StoppedError, StopRequested, raise_if_stopping, stop_on_signals
 from tandem.orchestrator.actors import BufferActor, EngineActor, RolloutActor, TrainerActor
-from tandem.orchestrator.fleet import EngineFleet
+from tandem.orchestrator.crew import RolloutCrew
+from tandem.orchestrator.fleet import CHECK_EVERY_S, EngineFleet
 from tandem.orchestrator.metrics import MetricsLogger, ProgressLine
 from tandem.orchestrator.rundir import check_run_dir, previous_run
 from tandem.orchestrator.weightpath import WeightPath
@@ -66,7 +68,10 @@ class RunResult:
     """Mean number of the driver machine's cores busy (all its processes, tandem's or not) during the
     training loop; None where ``/proc/stat`` cannot be read."""
     lost: list[str] = field(default_factory=list)
-    """The actors the run lost and went on without (a dead engine, the host leader), one line each."""
+    """The actors the run lost and went on without (a dead engine, the host leader, a rollout worker not
+    restarted), one line each."""
+    restarted: list[str] = field(default_factory=list)
+    """Each restart of a rollout worker whose process died, one line each."""
 
     @property
     def samples_per_s(self) -> float:
@@ -194,11 +199,12 @@ def _run(
             for i in range(cfg.engine.num_engines)
         ]
         st.workers = workers = [
-            RolloutActor.options(name=f"tandem-rollout-{i}").remote(
+            RolloutActor.options(name=f"tandem-rollout-{i}", max_restarts=o.worker_restarts).remote(
                 cfg, engines, buffer, i, cfg.rollout.num_workers
             )
             for i in range(cfg.rollout.num_workers)
         ]
+        crew = RolloutCrew(workers, buffer, o.worker_restarts, o.request_timeout_s)
         fleet = EngineFleet(engines, o.request_timeout_s)
         weights.connect(trainer, fleet, run_dir)
         # Wait until every actor has finished starting, so the clock below measures steady-state work.
@@ -225,7 +231,7 @@ def _run(
     if cfg.eval.before_after and not resume:
         progress.note("evaluating the starting model on the held-out split")
         try:
-            eval_before = _evaluate(cfg, workers[0], eval_tasks)
+            eval_before = _evaluate(cfg, crew.live()[0], eval_tasks)
         except Exception as e:
             raise_if_stopping(e)  # a stop signal's exception, mangled by C code
             st.release()
@@ -234,7 +240,7 @@ def _run(
         (run_dir / "eval_before.json").write_text(json.dumps(eval_before, indent=2))
 
     ray.get(buffer.grant.remote((o.max_staleness + 1) * b if o.mode == "async" else b))
-    producing = [w.produce.remote() for w in workers]  # each returns only when its worker stops or dies
+    crew.start()  # each worker's produce returns only when the worker stops or dies
 
     hist: dict[str, int] = {}
     history: list[dict[str, Any]] = []
@@ -245,13 +251,22 @@ def _run(
     ticks0 = cpu_ticks()
     start = time.monotonic()
     step = version
-    lost: list[str] = []
+    noted: set[str] = set()
+
+    def check_engines() -> None:
+        """While waiting for groups: remove hung engines (``EngineFleet.check``); the groups stuck on one
+        are requeued then, so ``take``'s idle clock restarts."""
+        if fleet.check():
+            ray.get(buffer.restart_idle_clock.remote())
+
     try:
         while step < o.steps:
             if o.time_budget_s and time.monotonic() - start > o.time_budget_s:
                 break
             t_wait = time.monotonic()
-            groups, info = _take(buffer, producing, b, version, o)
+            groups, info = crew.take(
+                b, version, o.max_staleness, o.request_timeout_s, on_wait=check_engines, every_s=CHECK_EVERY_S
+            )
             wait_s = time.monotonic() - t_wait
             if o.mode == "async":
                 buffer.grant.remote(b)
@@ -279,9 +294,10 @@ def _run(
             if cores is not None:
                 row["machine_busy_cores"] = cores
             row.update(sync_metrics, engines_alive=len(fleet.live()))
-            for line in [*fleet.lost, *weights.lost][len(lost) :]:
-                progress.note(f"lost {line}; the run goes on")
-            lost = [*fleet.lost, *weights.lost]
+            for line in [*fleet.lost, *weights.lost, *crew.lost, *crew.restarted]:
+                if line not in noted:
+                    noted.add(line)
+                    progress.note(f"{'' if line in crew.restarted else 'lost '}{line}; the run goes on")
             engine_last = engine_now
             logger.log(row)
             st.step = step
@@ -312,9 +328,9 @@ def _run(
     machine_cores = busy_cores(ticks0, cpu_ticks())
     engine_busy = (fleet.totals()["busy_s"] - engine0["busy_s"]) / max(wall * len(engines), 1e-9)
     weights.finish(trainer)
-    ray.get([w.stop.remote() for w in workers])
+    ray.get([w.stop.remote() for w in crew.live()])
     ray.get(buffer.close.remote())
-    errors = _collect_errors(workers)
+    errors = _collect_errors(crew.live())
     if errors:
         (run_dir / "rollout_errors.log").write_text("\n".join(errors))
     ray.get(trainer.save_checkpoint.remote(str(_checkpoint_dir(run_dir, step))))
@@ -326,7 +342,7 @@ def _run(
     if cfg.eval.before_after:
         progress.note("evaluating the final model on the held-out split")
         try:
-            eval_after = _evaluate(cfg, workers[0], eval_tasks)
+            eval_after = _evaluate(cfg, crew.live()[0], eval_tasks)
         except Exception as e:  # e.g. the last engine died: what training wrote is complete, say so
             raise_if_stopping(e)  # a stop signal's exception, mangled by C code
             st.release()
@@ -350,7 +366,8 @@ def _run(
         history=history,
         mismatch_pairs=[p for pairs in recent_pairs for p in pairs],
         machine_busy_cores=machine_cores,
-        lost=[*fleet.lost, *weights.lost],
+        lost=[*fleet.lost, *weights.lost, *crew.lost],
+        restarted=list(crew.restarted),
     )
     st.release()
     from tandem.orchestrator.report import write_report
@@ -447,23 +464,6 @@ def _evaluate(cfg: RunConfig, worker, tasks) -> dict[str, Any]:
     e = cfg.eval
     ks = tuple(k for k in (1, 2, 4, 8) if k <= e.samples_per_task)
     return ray.get(worker.evaluate.remote(tasks, e.samples_per_task, e.temperature, ks))
-
-
-def _take(buffer, producing: list, n: int, version: int, o) -> tuple[list, dict[str, Any]]:
-    """``buffer.take``, except that a rollout worker whose ``produce`` call ends first (it died, or gave up
-    producing) stops the run at once, naming it: the groups it held credits for never come back."""
-    from ray.exceptions import RayActorError
-
-    ref = buffer.take.remote(n, version, o.max_staleness, o.request_timeout_s)
-    ready, _ = ray.wait([ref, *producing], num_returns=1)
-    if ref not in ready:
-        i = producing.index(ready[0])
-        try:
-            ray.get(ready[0])
-        except RayActorError as e:
-            raise RuntimeError(f"rollout worker {i} died: {type(e).__name__}: {e}") from e
-        raise RuntimeError(f"rollout worker {i} stopped producing: {ray.get(ready[0]) or 'it was stopped'}")
-    return ray.get(ref)
 
 
 def _prefill_row(before: dict[str, float], now: dict[str, float]) -> dict[str, float]:
