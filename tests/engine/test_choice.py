@@ -89,6 +89,8 @@ def test_an_unknown_size_stays_on_the_builtin_engine(tmp_path):
     [
         ({"train": {"deterministic": True}}, "train.deterministic=true"),
         ({"rollout": {"top_p": 0.9}}, "rollout.top_p=0.9"),
+        ({"rollout": {"temperature": 2.5}}, "rollout.temperature=2.5"),  # vLLM refuses every such request
+        ({"eval": {"temperature": 3.0}}, "eval.temperature=3.0"),
     ],
 )
 def test_a_run_that_needs_the_builtin_engine_gets_it(overrides, setting):
@@ -115,6 +117,12 @@ def test_bad_engine_settings_are_refused_naming_the_field():
         EngineConfig(auto_measure="sometimes")
 
 
+def rendezvous_files() -> set[Path]:
+    """vLLM's rendezvous files: in this project's per-process directories, or (older) the bare temp dir."""
+    tmp = Path(tempfile.gettempdir())
+    return set(tmp.glob("vllm_dist_*")) | set(tmp.glob("tandem-vllm-*/vllm_dist_*"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("engine", "small", "says"),
@@ -128,7 +136,7 @@ def test_serve_runs_the_engine_it_names_and_answers(tmp_path, engine, small, say
     after shutting down; with the default action that killed the process before the engine was closed,
     leaving vLLM's rendezvous file (``vllm_dist_*``) in the temp dir for good."""
     model = write_model_dir(tmp_path, "smoke", tokenizer_dir=SHIPPED) if small else SHIPPED  # 336,320 params
-    rendezvous = set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))
+    rendezvous = rendezvous_files()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_CACHE_DIR": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "tandem.cli.main", "serve", "--engine", engine, "--port", "0"]
     cmd += ["--model", str(model), "--max-seq-len", "256", "--max-batch", "4", "--threads", "1"]
@@ -155,7 +163,7 @@ def test_serve_runs_the_engine_it_names_and_answers(tmp_path, engine, small, say
         r = httpx.post(url + "/chat/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         # vLLM's file exists while it serves
-        assert bool(set(Path(tempfile.gettempdir()).glob("vllm_dist_*")) - rendezvous) == (engine == "vllm")
+        assert bool(rendezvous_files() - rendezvous) == (engine == "vllm")
         proc.terminate()  # SIGTERM
         rest = proc.communicate(timeout=120)[0]
     finally:
@@ -164,4 +172,5 @@ def test_serve_runs_the_engine_it_names_and_answers(tmp_path, engine, small, say
             proc.kill()
             proc.wait()
     assert proc.returncode == 128 + signal.SIGTERM, rest[-3000:]
-    assert set(Path(tempfile.gettempdir()).glob("vllm_dist_*")) <= rendezvous
+    assert rendezvous_files() <= rendezvous
+    assert not list(Path(tempfile.gettempdir()).glob(f"tandem-vllm-*-{proc.pid}"))  # its directory too

@@ -8,6 +8,7 @@ own rendering and by replaying each recorded prompt on the engine in-process.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import socket
@@ -869,6 +870,18 @@ def test_non_streamed_turn_whose_client_left_is_not_recorded_nor_generated_furth
         time.sleep(0.02)
     assert engine.stats()["cancelled"] == before + 1  # stopped, not generated to its 400 tokens
     assert http.get("/health").json()["counters"]["disconnected"] == gone + 1
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_client_that_left_leaves_no_asyncio_error_in_the_log(server, caplog, n):
+    """The request's gathered completions were left holding the CancelledError of the generations it
+    cancelled: asyncio logged "_GatheringFuture exception was never retrieved" at ERROR for every client that
+    hung up on a non-streamed request."""
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json={**LONG, "n": n}, timeout=0.5)
+    _wait_in_flight(server.url, False)
+    gc.collect()
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
 
 
 def test_sessions_in_flight_are_never_evicted(stack):

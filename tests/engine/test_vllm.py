@@ -7,6 +7,11 @@ each test that changes them.
 
 from __future__ import annotations
 
+import itertools
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,10 +27,13 @@ from transformers import AutoModelForCausalLM
 from tandem.core.config import EngineConfig, RunConfig
 from tandem.core.errors import EngineError
 from tandem.core.generation import GenerationRequest, SamplingParams
+from tandem.engine.follow import EngineWeightSync
 from tandem.engine.gateway import GatewayConfig, GatewayServer, create_app
-from tandem.engine.vllm import VllmEngine, reload_groups
+from tandem.engine.vllm import VllmEngine, reload_groups, sweep_rendezvous
 from tandem.env.tasks import TOOLS
 from tandem.model import load_chat_format
+from tandem.weights import WeightStore, serve_store
+from tandem.weights.publish import WeightPublisher
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tandem-base"
 PROMPT = [5, 6, 7, 8, 9]
@@ -130,6 +138,20 @@ def test_bad_requests_get_an_error_naming_the_field_and_the_engine_serves_on(eng
     c = engine.generate([GenerationRequest(prompt, params)])[0]
     assert c.finish_reason == "error" and needle in c.error
     assert engine.generate([sampled(1, n=3)])[0].finish_reason == "length"
+
+
+def test_a_request_vllm_refuses_fails_alone(engine):
+    """vLLM checks some sampling settings itself when tandem builds its ``SamplingParams`` (a temperature
+    above 2): that check used to raise out of the engine's iteration and fail every request beside it."""
+    start = engine.stats()["tokens_generated"]
+    running = engine.submit(sampled(41, n=200))
+    while engine.stats()["tokens_generated"] < start + 5:
+        time.sleep(0.005)
+    hot = engine.submit(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=4, temperature=3.0)))
+    done, bad = running.result(timeout=120), hot.result(timeout=120)
+    assert done.finish_reason == "length", done.error
+    assert bad.finish_reason == "error" and "vLLM refused the request" in bad.error
+    assert "temperature" in bad.error
 
 
 def test_run_config_refuses_top_p_with_the_vllm_engine():
@@ -240,6 +262,155 @@ def test_prefix_blocks_of_older_weights_are_never_reused(engine):
     assert hits_of(req) == 0  # the blocks the old version computed are not reused on the new one
     assert hits_of(req) > 0
     runner.result()
+
+
+def _fail_in_vllms_load_weights(engine, monkeypatch, times: int, loaded: int = 6) -> list[int]:
+    """Fault injection into vLLM (not tandem): the model's ``load_weights`` loads the first ``loaded`` tensors
+    it is given for real, then raises, for its next ``times`` calls. Returns the list of calls made."""
+    model = engine._llm.collective_rpc(lambda worker: worker.model_runner.get_model())[0]
+    original = type(model).load_weights
+    calls: list[int] = []
+
+    def load_weights(self, weights):
+        calls.append(1)
+        if len(calls) > times:
+            return original(self, weights)
+        original(self, itertools.islice(iter(weights), loaded))
+        raise RuntimeError("injected fault inside vLLM's load_weights")
+
+    monkeypatch.setattr(type(model), "load_weights", load_weights)
+    return calls
+
+
+def test_a_reload_that_fails_inside_vllm_applies_nothing(engine, monkeypatch):
+    """vLLM's layerwise reload moves every layer to the meta device first: one that raised midway left the
+    model there (every later request failed with a meta-tensor error while health() said ok), with part of
+    the update applied. Now the engine puts the layers back, reloads the old values and still serves its
+    version exactly."""
+    v0 = engine.version
+    before = engine.generate([sampled(21)])[0]
+    host = {k: v.clone() for k, v in engine._host.items()}
+    bumped = {k: (v + 0.05).numpy() for k, v in host.items() if k != "lm_head.weight"}
+    calls = _fail_in_vllms_load_weights(engine, monkeypatch, times=1)
+    with pytest.raises(EngineError) as full:
+        engine.update_weights(v0 + 1, bumped)
+    after = engine.generate([sampled(21)])[0]
+    assert after.finish_reason == "length", after.error
+    assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
+    assert len(calls) == 2  # the failed reload and the one that put the old values back
+    name = "model.layers.0.mlp.down_proj.weight"
+    idx = np.arange(0, host[name].numel(), 3, dtype=np.int64)
+    _fail_in_vllms_load_weights(engine, monkeypatch, times=1, loaded=1)
+    with pytest.raises(EngineError) as patch:
+        engine.patch_weights(v0 + 1, {name: (idx, np.full(len(idx), 0.5, np.float32))})
+    after = engine.generate([sampled(21)])[0]
+    assert after.token_ids == before.token_ids and after.logprobs == before.logprobs
+    assert engine.version == v0 and engine.health()["ok"]
+    assert all(torch.equal(engine._host[k], v) for k, v in host.items())
+    for info in (full, patch):
+        assert re.search(rf"injected fault.*nothing was applied.*serves version {v0}", str(info.value))
+
+
+def test_a_loop_started_during_an_update_on_the_callers_thread_waits_for_it(engine, monkeypatch):
+    """With no loop running, an update is applied on the caller's thread; a loop started meanwhile (start, or
+    a first submit) stepped vLLM in the middle of the reload: its request failed on meta tensors (or was
+    sampled from half-updated weights). Now the loop waits, and the request is served by the new version."""
+    v0 = engine.version
+    model = engine._llm.collective_rpc(lambda worker: worker.model_runner.get_model())[0]
+    original = type(model).load_weights
+    entered, release = threading.Event(), threading.Event()
+
+    def load_weights(self, weights):  # vLLM's own loader, held back until the test lets it go on
+        entered.set()
+        release.wait(120)
+        return original(self, weights)
+
+    same = {"model.norm.weight": engine._host["model.norm.weight"].clone().numpy()}
+    engine.stop()
+    monkeypatch.setattr(type(model), "load_weights", load_weights)
+    updater = threading.Thread(target=engine.update_weights, args=(v0 + 1, same))
+    updater.start()
+    try:
+        assert entered.wait(120)
+        engine.start()
+        fut = engine.submit(sampled(31, n=4))
+        with pytest.raises(TimeoutError):  # (before: answered at once, with an error)
+            fut.result(timeout=3)
+    finally:
+        release.set()
+        updater.join()
+        engine.start()
+    c = fut.result(timeout=120)
+    assert c.finish_reason == "length", c.error
+    assert c.versions == [v0 + 1] * 4 and engine.version == v0 + 1
+
+
+def test_a_sync_the_engine_refused_is_redone_not_relabelled(engine, monkeypatch, tmp_path):
+    """The delta path: a patch the engine refused (vLLM failed to reload it) left the follower a version
+    ahead of the engine; the next sync sent an empty patch and the engine labelled its old weights with the
+    new version. Now the next sync reloads in full and the engine holds the published bits."""
+    original = {k: v.clone() for k, v in engine._host.items() if k != "lm_head.weight"}
+    bf16 = lambda t: t.to(torch.bfloat16).view(torch.uint16).numpy().copy()  # noqa: E731 - the publish format
+    published = {k: bf16(v) for k, v in original.items()}
+    store = WeightStore.open(tmp_path / "weights", create=True, snapshot_every=100)
+    server = serve_store(store)
+    sync = EngineWeightSync(engine, server.url)
+    try:
+        publisher = WeightPublisher(store)
+        publisher.publish(0, published)
+        assert sync.sync(0)["full"]
+        name = "model.layers.1.mlp.down_proj.weight"
+        changed = torch.from_numpy(published[name]).view(torch.bfloat16).float() * 1.5
+        published = {**published, name: bf16(changed)}
+        publisher.publish(1, published)
+        _fail_in_vllms_load_weights(engine, monkeypatch, times=1, loaded=1)
+        with pytest.raises(EngineError, match="nothing was applied"):
+            sync.sync(1)
+        assert engine.version == 0
+        sync.sync(1)
+        assert engine.version == 1
+        want = torch.from_numpy(published[name]).view(torch.bfloat16).float()
+        assert torch.equal(engine._host[name], want)
+    finally:
+        sync.close()
+        server.close()
+        store.close()
+        engine.update_weights(engine.version + 1, {k: v.numpy() for k, v in original.items()})
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.bool_, np.complex64])
+def test_weights_of_a_wrong_kind_are_refused_naming_the_tensor(engine, dtype):
+    """An integer array of the right shape was cast silently: fp32 bit patterns sent as int32 became weights
+    near 1e9 (uint16 stays the bfloat16 bit-pattern format)."""
+    v0, before = engine.version, engine.generate([sampled(3)])[0]
+    values = engine._host["model.norm.weight"].numpy().view(np.int32).astype(dtype)
+    with pytest.raises(EngineError, match=r"'model.norm.weight' is not usable.*dtype"):
+        engine.update_weights(v0 + 1, {"model.norm.weight": values})
+    with pytest.raises(EngineError, match=r"'model.norm.weight' is not usable.*dtype"):
+        engine.patch_weights(v0 + 1, {"model.norm.weight": (np.array([0, 1]), values[:2])})
+    assert engine.version == v0 and engine.generate([sampled(3)])[0].token_ids == before.token_ids
+
+
+def test_rendezvous_files_of_killed_processes_are_swept(tmp_path):
+    """vLLM's rendezvous file lives in a directory named with the owner's pid: one a SIGKILL left (no close
+    ran) is deleted by the next engine's start; a live process's is kept. Before, the file sat in the bare
+    temp dir, where nothing tells whose it is, for good."""
+    code = (
+        "import os, signal; from tandem.engine.vllm import _rendezvous_dir; d = _rendezvous_dir(); "
+        "d.mkdir(); (d / 'vllm_dist_0').write_text('x'); print(d, flush=True); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    left = Path(proc.stdout.strip())
+    assert (left / "vllm_dist_0").is_file()
+    alive = left.with_name(left.name.rsplit("-", 1)[0] + "-1")  # pid 1 lives
+    alive.mkdir(exist_ok=True)
+    try:
+        assert left in sweep_rendezvous()
+        assert not left.exists() and alive.is_dir()
+    finally:
+        alive.rmdir()
 
 
 def test_routing_capture_is_refused_on_cpu_with_the_reason():

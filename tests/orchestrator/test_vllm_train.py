@@ -12,10 +12,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _rendezvous_files() -> set[Path]:
+    """vLLM's rendezvous files in the temp dir, and tandem's per-process directories for them."""
+    tmp = Path(tempfile.gettempdir())
+    return {*tmp.glob("vllm_dist_*"), *tmp.glob("tandem-vllm-*"), *tmp.glob("tandem-vllm-*/vllm_dist_*")}
+
+
 @pytest.mark.slow
 def test_train_a_few_steps_on_the_vllm_engine(tmp_path):
     run_dir = tmp_path / "run"
-    before = set(Path(tempfile.gettempdir()).glob("vllm_dist_*"))
+    before = _rendezvous_files()
     args = ["--preset", "smoke", "--run-dir", str(run_dir), "--set", "engine.kind=vllm"]
     args += ["--set", "orchestrator.steps=3", "--set", "tasks.heldout_size=2"]
     r = subprocess.run(
@@ -37,5 +43,6 @@ def test_train_a_few_steps_on_the_vllm_engine(tmp_path):
     for name in ("eval_before.json", "eval_after.json"):
         result = json.loads((run_dir / name).read_text())
         assert result["n"] == 2 and 0.0 <= result["pass@1"] <= 1.0
-    # the engine actor released vLLM before it was killed: its rendezvous file (one per engine) is gone
-    assert set(Path(tempfile.gettempdir()).glob("vllm_dist_*")) <= before
+    # the engine actor released vLLM before it was killed: its rendezvous file (one per engine) and the
+    # process's directory for it are gone
+    assert _rendezvous_files() <= before

@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from tandem.core.errors import ConfigError
-from tandem.core.generation import MIN_TEMPERATURE
+from tandem.core.generation import MIN_TEMPERATURE, VLLM_MAX_TEMPERATURE
 from tandem.core.pseudofs import pseudo_filesystems
 
 MAX_THREADS = 1024
@@ -743,6 +743,15 @@ class RunConfig(Section):
             )
         if self.eval.temperature < MIN_TEMPERATURE:
             raise ValueError(f"eval.temperature must be >= {MIN_TEMPERATURE}, got {self.eval.temperature}")
+        if self.engine.kind == "vllm":
+            for name, value in (("rollout.temperature", self.rollout.temperature),
+                                ("eval.temperature", self.eval.temperature)):  # fmt: skip
+                if value > VLLM_MAX_TEMPERATURE:
+                    raise ValueError(
+                        f"{name}={value} with engine.kind='vllm': vLLM samples at temperatures up to "
+                        f"{VLLM_MAX_TEMPERATURE:g} and would refuse every request; lower it or use "
+                        "engine.kind='builtin'"
+                    )
         nonnegative = {
             "train.weight_decay": t.weight_decay, "train.grad_clip": t.grad_clip, "train.kl_coef": t.kl_coef,
             "orchestrator.time_budget_s": self.orchestrator.time_budget_s,

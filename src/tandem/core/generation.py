@@ -16,6 +16,9 @@ MIN_TEMPERATURE = 1e-3
 overflow float32 (garbage tokens with NaN logprobs), and far above that the trainer's recomputed ratios at the
 recorded temperature are already dominated by rounding. Engines, the gateway and the run config refuse
 ``0 < temperature < MIN_TEMPERATURE`` naming the field."""
+VLLM_MAX_TEMPERATURE = 2.0
+"""The highest sampling temperature vLLM accepts (its ``SamplingParams`` refuses more); also the top of the
+gateway's range, as in OpenAI's API."""
 
 
 @dataclass

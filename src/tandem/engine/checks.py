@@ -6,8 +6,10 @@ Invariants:
   number of new tokens the request may sample (``max_new_tokens`` clamped to the room left in
   ``max_seq_len``).
 - ``convert_tensors`` / ``convert_patches`` raise ``EngineError`` naming the tensor for an unknown name, a
-  shape mismatch or an index outside the tensor, before any value is written; ``uint16`` data for a
-  floating-point target is read as bfloat16 bit patterns (the trainer's publish format).
+  shape mismatch, an index outside the tensor or values that are not numbers of the target's kind, before
+  any value is written; ``uint16`` data for a floating-point target is read as bfloat16 bit patterns (the
+  trainer's publish format), and other integer, bool or complex data for it is refused (a cast would have
+  turned bit patterns sent as int32 into weights near 1e9 without a word).
 """
 
 from __future__ import annotations
@@ -28,10 +30,17 @@ OnLive = Callable[[], None] | None
 
 
 def as_values(value: np.ndarray | torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``value``; uint16 data for a floating-point target is read as bfloat16 bit patterns."""
+    """A tensor of ``value``; uint16 data for a floating-point target is read as bfloat16 bit patterns.
+    Other integer, bool and complex data for a floating-point target is refused (``TypeError``): cast to the
+    target's type it would be wrong values (an fp32 bit pattern sent as int32 became a number near 1e9)."""
     t = torch.as_tensor(np.ascontiguousarray(value) if isinstance(value, np.ndarray) else value)
     if t.dtype == torch.uint16 and target.is_floating_point():
         t = t.view(torch.bfloat16)
+    if target.is_floating_point() and not t.is_floating_point():
+        kind = str(t.dtype).removeprefix("torch.")
+        raise TypeError(
+            f"has values of dtype {kind} for a floating-point tensor (send floats, or uint16 bfloat16 bits)"
+        )
     return t
 
 
@@ -90,7 +99,9 @@ def convert_tensors(
         try:
             t = as_values(value, target)
         except (TypeError, ValueError, RuntimeError) as e:
-            raise EngineError(f"update_weights: tensor {name!r} is not a numeric array ({e})") from e
+            raise EngineError(
+                f"update_weights: tensor {name!r} is not usable: {e}; nothing was applied"
+            ) from e
         if tuple(t.shape) != tuple(target.shape):
             raise EngineError(
                 f"update_weights: tensor {name!r} has shape {tuple(t.shape)}, the model expects "
@@ -110,7 +121,12 @@ def convert_patches(
         if target is None:
             raise EngineError(f"patch_weights: unknown tensor {name!r}; names are the state_dict keys")
         idx = torch.as_tensor(np.asarray(index, dtype=np.int64))
-        val = as_values(values, target).to(target.dtype)
+        try:
+            val = as_values(values, target).to(target.dtype)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise EngineError(
+                f"patch_weights: tensor {name!r} is not usable: {e}; nothing was applied"
+            ) from e
         if idx.dim() != 1 or idx.shape != val.shape:
             raise EngineError(
                 f"patch_weights: tensor {name!r} needs 1-D index and values of equal length, got "

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.core.config import EngineConfig, RunConfig, model_is_moe
+from tandem.core.generation import VLLM_MAX_TEMPERATURE
 
 
 def _vllm_probe() -> str | None:
@@ -119,6 +120,12 @@ def builtin_only_setting(cfg: RunConfig) -> str | None:
         return "train.router_replay='r3'"
     if cfg.rollout.top_p < 1.0:
         return f"rollout.top_p={cfg.rollout.top_p}"
+    for name, value in (
+        ("rollout.temperature", cfg.rollout.temperature),
+        ("eval.temperature", cfg.eval.temperature),
+    ):
+        if value > VLLM_MAX_TEMPERATURE:
+            return f"{name}={value}"
     return None
 
 

@@ -42,6 +42,11 @@ Invariants:
   runs Python beside the decode loop, which takes the GIL from the loop), so an idle engine leads when there
   is one; after the wait it takes the lock as above, so a host of busy engines still advances. With
   ``host_leader`` (the host runs a ``HostLeader``) every engine, idle or not, waits so first.
+- A sync that fails after the follower advanced (the engine refused the patch or the reload and still
+  serves its old version) leaves the engine behind the follower's own shadow: the next sync reloads it in
+  full from that shadow instead of patching from the version the follower reached (an empty patch, which
+  had relabelled the old weights as the new version). With a host share the next sync patches from the
+  engine's version as usual.
 - Published tensors omit tied duplicates (``lm_head`` tied to the embeddings): patching the published name
   patches the shared storage and every derived buffer built from it.
 """
@@ -95,6 +100,7 @@ class EngineWeightSync:
         self.share = HostShare(share) if isinstance(share, str) else share
         self.host_shadow = HostShadow(self.share.path) if self.share is not None else None
         self._version: int | None = None  # the verified version the engine serves (None before a sync)
+        self._reload_next = False  # a sync failed after the follower advanced: the next one reloads in full
         self.follower = WeightFollower(WeightClient(urls, parallel=connections), threads=threads)
         self._lock = threading.Lock()  # one sync at a time; a later call catches up to its own target
         # Where a sync runs (see module invariants): a serving engine's on a thread at the process's
@@ -255,33 +261,43 @@ class EngineWeightSync:
             if target is not None and self._version is not None and self.engine.version >= target:
                 return {"version": self.engine.version, "pause_s": 0.0, "skipped": True}
             t0, started_at = time.perf_counter(), time.time()
-            step = self._advance_shared(target) if self.share is not None else self._advance_own(target)
-            advanced_at = time.time()
-            adv = step.adv or Advance(step.version, False)
-            if step.patches is None:  # a full reload (done under the share's lock with a share)
-                if step.full_pause is None:
-                    assert self.follower.shadow is not None
-                    step.full_pause = self.engine.update_weights(step.version, self.follower.shadow)
-                    step.live_at = time.time()
-                    step.elements = sum(int(t.size) for t in self.follower.shadow.values())
-                pause, live_at = step.full_pause, step.live_at
-                patched = step.elements
-                if self._defers:  # e.g. the second weight bank: built now, not on the next delta's way
-                    self.engine.flush_deferred()
-                self.stats["full_reloads"] += 1
-                self.stats["full_reload_s_last"] = pause
-            else:
-                patches = step.patches
-                live: list[float] = []
-                on_live = lambda: live.append(time.time())  # noqa: E731
-                if self._defers:
-                    pause = self.engine.patch_weights(step.version, patches, on_live, flush=False)
-                    self.engine.flush_deferred()  # after the pause, see above
+            try:
+                step = self._advance_shared(target) if self.share is not None else self._advance_own(target)
+                if self._reload_next and step.patches is not None and self.share is None:
+                    step = _Step(step.version, None, adv=step.adv)  # the engine missed a patch: reload
+                advanced_at = time.time()
+                adv = step.adv or Advance(step.version, False)
+                if step.patches is None:  # a full reload (done under the share's lock with a share)
+                    if step.full_pause is None:
+                        assert self.follower.shadow is not None
+                        step.full_pause = self.engine.update_weights(step.version, self.follower.shadow)
+                        step.live_at = time.time()
+                        step.elements = sum(int(t.size) for t in self.follower.shadow.values())
+                    pause, live_at = step.full_pause, step.live_at
+                    patched = step.elements
+                    if self._defers:  # e.g. the second weight bank: built now, not on the next delta's way
+                        self.engine.flush_deferred()
+                    self.stats["full_reloads"] += 1
+                    self.stats["full_reload_s_last"] = pause
                 else:
-                    pause = self.engine.patch_weights(step.version, patches, on_live)
-                live_at = live[0]
-                patched = sum(len(ix) for ix, _ in patches.values())
-            self._version = step.version
+                    patches = step.patches
+                    live: list[float] = []
+                    on_live = lambda: live.append(time.time())  # noqa: E731
+                    if self._defers:
+                        pause = self.engine.patch_weights(step.version, patches, on_live, flush=False)
+                        self.engine.flush_deferred()  # after the pause, see above
+                    else:
+                        pause = self.engine.patch_weights(step.version, patches, on_live)
+                    live_at = live[0]
+                    patched = sum(len(ix) for ix, _ in patches.values())
+            except BaseException:
+                # Without a share the follower may be past what the engine serves now: the next sync must
+                # not patch from the version the follower reached (an empty patch would relabel the old
+                # weights as the new version), so it reloads in full. (With a share the next sync reads
+                # the patches from the engine's version again.)
+                self._reload_next = True
+                raise
+            self._version, self._reload_next = step.version, False
             s = self.stats
             s["syncs"] += 1
             s["serving_syncs"] += serving

@@ -191,6 +191,10 @@ class RequestFront:
     def _loop_setup(self) -> None:
         """Runs once in the loop thread before the first iteration."""
 
+    def _refusal(self) -> str:
+        """Why a stopped engine refuses a request (an engine that cannot be started again says why)."""
+        return "engine stopped; call start() to serve again"
+
     def _iteration(self, updates: list[Any], admitted: list[Pending]) -> None:  # pragma: no cover
         raise NotImplementedError
 
@@ -205,7 +209,7 @@ class RequestFront:
         fut: Future = Future()
         with self._cv:
             if self._stopped:
-                resolve(fut, error_completion("engine stopped; call start() to serve again"))
+                resolve(fut, error_completion(self._refusal()))
                 return fut
             self._queue.append(Pending(request, fut, self._submitted, on_tokens))
             self._submitted += 1

@@ -14,17 +14,39 @@ Invariants:
   therefore applied between two model steps (the pause), and every token carries the version current at the
   step that produced it. Process-global state vLLM sets while starting (environment variables, RNG seeds,
   its replacement of ``torch.set_num_threads``) is restored once the engine is up.
+- Only one thread calls into vLLM at a time (``_drive``): an update applied on the caller's thread, when no
+  loop runs, holds it, so a loop started meanwhile (``start``, or a first ``submit``) waits for the update
+  instead of stepping vLLM mid-reload (a request it admitted then failed on meta tensors, or was sampled
+  from half-updated weights).
+- A request vLLM refuses (its ``SamplingParams`` or ``add_request`` validation: a temperature above 2, a
+  stop token outside the vocabulary) gets an error completion naming vLLM's reason; the requests running
+  beside it are untouched (a temperature of 3 used to fail every request of the engine's batch).
 - ``logprobs`` are vLLM's *processed* logprobs of the sampled token (after temperature), i.e. of the
   distribution actually sampled from, 0.0 for greedy, as ``tandem.engine.sampling`` defines them. vLLM does
   not report the probability mass top-p keeps, which tandem's importance ratios need, so ``top_p < 1`` is
   refused with an error naming the field (use the built-in engine for top-p sampling).
 - Weight updates: the engine keeps a host copy of the weights in checkpoint (HF) names. An update (full
-  tensors, or element patches from the delta path) is validated against it before anything is touched, then
-  applied to the copy, and every vLLM module it touches is reloaded in full through vLLM's in-place layerwise
-  reload (``reload_weights`` on the worker, via ``collective_rpc``), fused parameters (q/k/v, gate/up)
-  together, since vLLM repacks a module's weights as a whole. The prefix cache is reset afterwards, so a new
-  request never reuses KV computed with older weights; running sessions keep theirs, as in the built-in
-  engine.
+  tensors, or element patches from the delta path) is validated against it before anything is touched
+  (names, shapes, indices, and values of a floating-point kind: ``tandem.engine.checks``), then every vLLM
+  module it touches is reloaded in full through vLLM's in-place layerwise reload (``reload_weights`` on the
+  worker, via ``collective_rpc``), fused parameters (q/k/v, gate/up) together, since vLLM repacks a module's
+  weights as a whole. The prefix cache is reset afterwards, so a new request never reuses KV computed with
+  older weights; running sessions keep theirs, as in the built-in engine.
+- An update applies whole or not at all: full tensors reach the host copy only after vLLM reloaded them,
+  patched elements keep their old values until then. A reload that raises inside vLLM (which first moves
+  every layer to the meta device) is finished on the worker (the layers get their tensors back) and the
+  touched modules are reloaded from the host copy's old values: the caller gets ``EngineError`` saying
+  nothing was applied, and the engine serves its version as before. When that reload fails too, the engine
+  cannot serve: the requests it holds are answered with the reason, ``health()`` reports ``ok: False`` and
+  ``error`` (the gateway answers 503 with it), and requests, updates and ``start`` are refused with it. A
+  closed engine refuses them too ("engine closed"): vLLM's process group is gone with its engine core.
+- vLLM's process-group rendezvous file (``vllm_dist_<uuid>``) goes into the directory
+  ``<temp dir>/tandem-vllm-<host>-<pid>``, not the bare temp dir: ``close`` removes file and directory, a
+  start that fails after vLLM set up its process group takes the group down again (unless another engine of
+  the process had set it up), and every start first deletes the directories of this host's dead processes
+  (``sweep_rendezvous``: a SIGKILLed engine, e.g. one the orchestrator killed, cannot remove its own).
+- One live engine per process: vLLM keeps its process group in module globals, and closing an engine tears
+  it down under any other engine of the process (whose requests then fail).
 - MoE routing capture (``enable_return_routed_experts``) needs vLLM's V2 model runner, which needs Triton,
   which vLLM's CPU build lacks: on CPU, asking for it raises ``EngineError`` at start; on CUDA it is passed
   through and ``Completion.routed_experts`` holds the [tokens, layers, top_k] expert ids.
@@ -43,7 +65,9 @@ import logging
 import math
 import os
 import random
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -62,6 +86,8 @@ from tandem.engine.checks import OnLive, Patches, check_request, convert_patches
 from tandem.engine.front import Pending, RequestFront, error_completion, notify, resolve
 
 _FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+RENDEZVOUS_PREFIX = "tandem-vllm-"
+"""``<temp dir>/tandem-vllm-<host>-<pid>``: where this process's engines keep vLLM's rendezvous file."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -95,11 +121,24 @@ def reload_groups(names: list[str], all_names: set[str]) -> list[str]:
 def _worker_reload(worker: Any, tensors: dict[str, torch.Tensor], retie: bool) -> float:
     """Runs on vLLM's worker: reload ``tensors`` (checkpoint names, whole modules) in place. ``retie``: the
     output head shares the input embedding, whose reload replaced the parameter and left the head's packed
-    GEMM weights stale; tie it again and let its method repack it."""
+    GEMM weights stale; tie it again and let its method repack it.
+
+    vLLM's layerwise reload first moves *every* layer of the model to the meta device and puts back only at
+    its end the layers nothing was loaded into: a reload that raises midway left the whole model on meta, so
+    every later step failed ("attempted to run this operator with Meta tensors"). On an error the reload is
+    finished here (each layer gets its kernel tensors back) before the error propagates; the caller then
+    reloads the touched modules from its host copy."""
     logging.getLogger("vllm.model_executor.model_loader.reload").setLevel(logging.ERROR)
     t0 = time.perf_counter()
     runner = worker.model_runner
-    runner.reload_weights(weights_iterator=iter(list(tensors.items())))
+    try:
+        runner.reload_weights(weights_iterator=iter(list(tensors.items())))
+    except BaseException:
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        with contextlib.suppress(Exception):  # the original error is the one to report
+            finalize_layerwise_reload(runner.get_model(), runner.vllm_config.model_config)
+        raise
     if retie:
         model = runner.get_model()
         head, embed = model.lm_head, model.model.embed_tokens
@@ -136,6 +175,73 @@ def _unscannable_modules() -> dict[str, Any]:
                 found[name] = module
                 break
     return found
+
+
+def _host_tag() -> str:
+    """The host name as a file-name part (a temp dir shared by hosts keeps each host's pids apart)."""
+    import socket
+
+    return "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32] or "host"
+
+
+def _rendezvous_dir() -> Path:
+    """This process's directory for vLLM's rendezvous files (see ``_rendezvous_in``)."""
+    return Path(tempfile.gettempdir()) / f"{RENDEZVOUS_PREFIX}{_host_tag()}-{os.getpid()}"
+
+
+def sweep_rendezvous() -> list[Path]:
+    """Delete the rendezvous directories of this host's processes that are gone (an engine killed with
+    SIGKILL cannot remove its own); returns what was deleted."""
+    from tandem.core.procs import pid_alive
+
+    prefix = f"{RENDEZVOUS_PREFIX}{_host_tag()}-"
+    gone = []
+    for d in Path(tempfile.gettempdir()).glob(prefix + "*"):
+        try:
+            pid = int(d.name[len(prefix) :])
+        except ValueError:
+            continue
+        if not pid_alive(pid) and d.is_dir() and not d.is_symlink():
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+    return gone
+
+
+@contextlib.contextmanager
+def _rendezvous_in(directory: Path):
+    """While vLLM starts, its process group's rendezvous file (``vllm_dist_<uuid>``, a torch ``FileStore``)
+    goes into ``directory`` instead of the bare temp dir: the engine's close removes it, but a process killed
+    with SIGKILL leaves it, and only a directory named with the owner's pid lets a later start sweep it."""
+    import uuid
+
+    import vllm.v1.executor.uniproc_executor as uniproc
+
+    directory.mkdir(mode=0o700, exist_ok=True)
+    modules = [uniproc, sys.modules.get("vllm.v1.executor.multiproc_executor")]
+    saved = [(m, m.get_file_store_init_method) for m in modules if m is not None]
+    for m, _ in saved:
+        m.get_file_store_init_method = lambda: f"file://{directory}/vllm_dist_{uuid.uuid4().hex}"
+    try:
+        yield
+    finally:
+        for m, f in saved:
+            m.get_file_store_init_method = f
+
+
+def _drop_rendezvous_dir() -> None:
+    """Remove this process's rendezvous directory once no engine of it has a file there."""
+    with contextlib.suppress(OSError):
+        _rendezvous_dir().rmdir()
+
+
+def _leave_distributed() -> None:
+    """Undo the process group a failed start set up: vLLM's rendezvous file (``vllm_dist_*`` in the temp
+    dir) was left behind for good otherwise, and the process kept a half-built group."""
+    with contextlib.suppress(Exception):
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
 
 
 @contextlib.contextmanager
@@ -243,6 +349,9 @@ class VllmEngine(RequestFront):
         self.supports_top_p = False  # the gateway answers top_p < 1 with 400 (see the module docstring)
         self._llm = self._start_vllm(p, hf_config, dtype, routed_experts)
         self._updates: list[_Update] = []
+        self._closed = False
+        self._broken: str | None = None  # why a failed weight update left the engine unable to serve
+        self._drive = threading.RLock()  # held by whoever calls into vLLM: the loop, or an update without it
         self._init_front({})  # _active: request id -> _Session
         self._stats["weight_reload_s"] = 0.0
 
@@ -292,11 +401,18 @@ class VllmEngine(RequestFront):
             skip_tokenizer_init=True,
             enable_return_routed_experts=routed_experts,
         )
+        import torch.distributed as dist
+
+        joined = dist.is_available() and dist.is_initialized()  # another engine of this process set it up
+        sweep_rendezvous()
         try:
-            with _contained(env):
+            with _contained(env), _rendezvous_in(_rendezvous_dir()):
                 torch.set_num_threads(max(1, cfg.threads))  # OpenMP settings are per thread: see _loop
                 return LLMEngine.from_engine_args(args)
         except Exception as e:  # noqa: BLE001 - any start failure is reported with the model path
+            if not joined:
+                _leave_distributed()
+            _drop_rendezvous_dir()
             raise ModelLoadError(f"vLLM could not start on {p}: {type(e).__name__}: {e}") from e
 
     # ---- public API ------------------------------------------------------------------------------
@@ -308,6 +424,14 @@ class VllmEngine(RequestFront):
     @property
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
+
+    def start(self) -> None:
+        """Start the loop thread; a closed engine, or one a failed weight update left unusable, cannot start
+        again (``EngineError`` saying why)."""
+        reason = self._unusable()
+        if reason is not None:
+            raise EngineError(reason)
+        super().start()
 
     def stop(self) -> None:
         with self._cv:
@@ -323,7 +447,8 @@ class VllmEngine(RequestFront):
             sessions, self._active = dict(self._active), {}
             updates, self._updates = self._updates, []
         if sessions:
-            self._llm.abort_request(list(sessions))
+            with self._drive, contextlib.suppress(Exception):
+                self._llm.abort_request(list(sessions))
         for p in pending:
             resolve(p.future, error_completion("engine stopped"))
         for s in sessions.values():
@@ -335,8 +460,18 @@ class VllmEngine(RequestFront):
     def close(self) -> None:
         """Stop and release vLLM's engine core (its memory); the engine cannot serve again."""
         self.stop()
+        with self._cv:
+            self._closed = True
         with contextlib.suppress(Exception):
             self._llm.engine_core.shutdown()
+        _drop_rendezvous_dir()
+
+    def health(self) -> dict[str, Any]:
+        out = super().health()
+        reason = self._unusable()
+        if reason is not None:
+            out["error"] = reason
+        return out
 
     def update_weights(self, version: int, tensors: dict[str, np.ndarray | torch.Tensor]) -> float:
         """Replace whole tensors (checkpoint names) between two steps; later tokens carry ``version``.
@@ -355,14 +490,29 @@ class VllmEngine(RequestFront):
             on_live()
         return update.pause_s
 
+    def _unusable(self) -> str | None:
+        """Why this engine can never serve again (closed, or broken by a failed weight update), or None."""
+        if self._closed:
+            return "engine closed: vLLM's engine core was shut down; create a new engine to serve again"
+        return self._broken
+
+    def _refusal(self) -> str:
+        return self._unusable() or super()._refusal()
+
     def _run_update(self, update: _Update) -> None:
         with self._cv:
-            queued = self._running
+            reason = self._unusable()
+            queued = self._running and reason is None
             if queued:
                 self._updates.append(update)
                 self._cv.notify_all()
-        if not queued:
-            self._apply(update)  # no loop: nobody else drives vLLM
+        if reason is not None:
+            raise EngineError(f"update_weights to version {update.version}: {reason}")
+        if not queued:  # no loop: apply it here, never beside an iteration of a loop started meanwhile
+            with self._drive:
+                self._apply(update)
+                if self._broken is not None:
+                    self._shut_out([])
         update.done.wait()
         if update.error is not None:
             raise update.error
@@ -381,10 +531,20 @@ class VllmEngine(RequestFront):
         torch.set_num_threads(max(1, self.config.threads))
 
     def _iteration(self, updates: list[_Update], admitted: list[Pending]) -> None:
+        with self._drive:
+            self._iterate(updates, admitted)
+
+    def _iterate(self, updates: list[_Update], admitted: list[Pending]) -> None:
         for u in updates:
             self._apply(u)
+        if self._broken is not None:
+            self._shut_out(admitted)
+            return
         for item in admitted:
-            self._add(item.request, item.future, item.number, item.on_tokens)
+            try:
+                self._add(item.request, item.future, item.number, item.on_tokens)
+            except Exception as e:  # noqa: BLE001 - a request that cannot be added fails alone, not the batch
+                resolve(item.future, error_completion(f"request refused: {type(e).__name__}: {e}"))
         gone = [rid for rid, s in self._active.items() if s.future.cancelled()]
         if gone:  # their callers gave up (a client that left, a revoked rollout): vLLM stops them now
             self._llm.abort_request(gone)
@@ -396,28 +556,72 @@ class VllmEngine(RequestFront):
             self._step()
 
     def _apply(self, u: _Update) -> None:
+        """Apply ``u`` whole or not at all (see module invariants): full tensors are staged and written to
+        the host copy only once vLLM reloaded them; element patches are written to the host copy with their
+        old values kept, and put back when the reload fails."""
         t0 = time.perf_counter()
+        names = {self._aliases.get(n, n) for n in [*u.tensors, *u.patches]}
+        touched = reload_groups(sorted(names), set(self._host) - set(self._aliases))
+        undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        reloading = False
         try:
             with torch.no_grad():
-                for name, t in u.tensors.items():
-                    self._host[name].copy_(t)
+                # as given (vLLM's loaders and the host copy convert the dtype as they copy): no extra copy
+                staged = {self._aliases.get(n, n): t for n, t in u.tensors.items()}
                 for name, (idx, val) in u.patches.items():
-                    self._host[name].view(-1)[idx] = val
-            names = {self._aliases.get(n, n) for n in [*u.tensors, *u.patches]}
-            touched = reload_groups(sorted(names), set(self._host) - set(self._aliases))
+                    flat = self._host[name].view(-1)
+                    undo.append((flat, idx, flat[idx].clone()))
+                    flat[idx] = val
             if touched:
-                t1 = time.perf_counter()
-                retie = bool(self._aliases) and "model.embed_tokens.weight" in touched
-                tensors = {n: self._host[n] for n in touched}
-                self._llm.collective_rpc(_worker_reload, args=(tensors, retie))
-                self._stats["weight_reload_s"] += time.perf_counter() - t1
+                reloading = True
+                self._reload({n: staged[n] if n in staged else self._host[n] for n in touched})
+            with torch.no_grad():
+                for name, t in staged.items():
+                    self._host[name].copy_(t)
             if not self._active:  # with requests running it frees nothing (and vLLM warns): the salt suffices
                 self._llm.reset_prefix_cache()
             self._version = u.version
         except Exception as e:  # noqa: BLE001 - reported to the caller
-            u.error = EngineError(f"update_weights to version {u.version} failed: {e}")
+            with torch.no_grad():
+                for flat, idx, old in reversed(undo):
+                    flat[idx] = old
+            what = f"update_weights to version {u.version} failed: {type(e).__name__}: {e}"
+            try:
+                if reloading:  # vLLM may hold part of the update: reload the touched modules' old values
+                    self._reload({n: self._host[n] for n in touched})
+                kept = f"nothing was applied, the engine serves version {self._version}"
+                u.error = EngineError(f"{what}; {kept}")
+            except Exception as again:  # noqa: BLE001 - the engine cannot serve (see _shut_out)
+                self._broken = (
+                    f"{what}; restoring version {self._version} failed too "
+                    f"({type(again).__name__}: {again}): this engine cannot serve any more; start a new one"
+                )
+                u.error = EngineError(self._broken)
         finally:
             u.pause_s = time.perf_counter() - t0
+            u.done.set()
+
+    def _reload(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Reload whole modules in vLLM from ``tensors`` (checkpoint names)."""
+        t1 = time.perf_counter()
+        retie = bool(self._aliases) and "model.embed_tokens.weight" in tensors
+        self._llm.collective_rpc(_worker_reload, args=(tensors, retie))
+        self._stats["weight_reload_s"] += time.perf_counter() - t1
+
+    def _shut_out(self, admitted: list[Pending]) -> None:
+        """The engine broke (``_broken``): stop the loop and answer every request and update it holds with
+        the reason; later ones are refused with it (``health()["ok"]`` is False: the gateway says 503)."""
+        msg = self._broken or "engine broken"
+        with self._cv:
+            self._running, self._stopped = False, True
+            self._cv.notify_all()
+            pending, self._queue = list(self._queue), collections.deque()
+            later, self._updates = self._updates, []
+        self._fail_active(msg)
+        for item in [*admitted, *pending]:
+            resolve(item.future, error_completion(msg))
+        for u in later:
+            u.error = EngineError(msg)
             u.done.set()
 
     def _add(
@@ -444,23 +648,23 @@ class VllmEngine(RequestFront):
             resolve(fut, error_completion(check))
             return
         seed = sp.seed if sp.seed is not None else self.seed * 1_000_003 + number
-        params = SamplingParams(
-            temperature=float(sp.temperature),
-            top_p=1.0,
-            max_tokens=check,
-            seed=int(seed) % (2**63),
-            stop_token_ids=[int(t) for t in sp.stop_token_ids],
-            ignore_eos=True,
-            logprobs=top_k,
-            detokenize=False,
-            output_kind=RequestOutputKind.CUMULATIVE,
-        )
         rid = f"r{number}"
         # Cached prefix blocks are salted with the weights' version: a request never reuses KV that older
         # weights computed, even when reset_prefix_cache() after an update could not drop the blocks that
         # running requests held (it then frees nothing; LRU evicts them later).
         prompt = {"prompt_token_ids": [int(t) for t in request.prompt_ids], "cache_salt": f"v{self._version}"}
-        try:
+        try:  # vLLM validates in SamplingParams too (e.g. temperature <= 2): a refusal is this request's only
+            params = SamplingParams(
+                temperature=float(sp.temperature),
+                top_p=1.0,
+                max_tokens=check,
+                seed=int(seed) % (2**63),
+                stop_token_ids=[int(t) for t in sp.stop_token_ids],
+                ignore_eos=True,
+                logprobs=top_k,
+                detokenize=False,
+                output_kind=RequestOutputKind.CUMULATIVE,
+            )
             self._llm.add_request(rid, prompt, params)
         except Exception as e:  # noqa: BLE001 - vLLM's own validation: report it on this request
             resolve(fut, error_completion(f"vLLM refused the request: {type(e).__name__}: {e}"))
@@ -517,7 +721,7 @@ class VllmEngine(RequestFront):
 
     def _fail_active(self, msg: str) -> None:
         sessions, self._active = self._active, {}
-        with contextlib.suppress(Exception):
+        with self._drive, contextlib.suppress(Exception):
             self._llm.abort_request(list(sessions))
         for s in sessions.values():
             resolve(s.future, error_completion(msg))

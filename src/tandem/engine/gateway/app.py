@@ -512,6 +512,9 @@ def create_app(
         when the client disconnects meanwhile (499, nothing recorded), when ``request_timeout_s`` passes
         (504) and when its tenant key is revoked (401)."""
         gathered = asyncio.gather(*futures)
+        # When the generations are cancelled below, gather ends holding their CancelledError, which asyncio
+        # logged at ERROR ("exception was never retrieved") for every client that left: read it here.
+        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
         gone = asyncio.ensure_future(_disconnect(request))
         try:
             finished, _ = await asyncio.wait(
