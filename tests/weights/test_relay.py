@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import socket
 import threading
 import time
 
@@ -145,3 +146,49 @@ def test_a_relay_whose_cache_is_deleted_or_truncated_while_serving_fetches_again
             (cache / "blobs" / key).write_bytes(blobs["w"][:100])  # a verified file that changed size
             assert client.download(client.manifest(0).blobs) == blobs
             assert relay.stats()["upstream_blob_fetches"] == 3
+
+
+def test_relay_clients_that_stop_reading_are_dropped_and_never_lock_the_region_out(tmp_path):
+    """The relay's local server has the store server's send bounds: clients that ask for a big blob and read
+    nothing are dropped (the relay's cap full of them closes the stalled ones for new clients)."""
+    store, blobs = make_store(tmp_path / "s", {"big": 32 << 20})
+    key = store.manifest(0).blobs["big"].key
+    with (
+        serve_store(store) as upstream,
+        Relay(
+            [upstream.url], tmp_path / "cache", max_connections=3, send_stall_s=1.0, min_send_rate=0
+        ) as relay,
+    ):
+        with WeightClient(relay.url, retries=0, parallel=1) as client:  # the relay caches the blob first
+            assert client.blob(key) == blobs["big"]
+        served = relay.server.stats.snapshot
+        gets = served()["blob_gets"]
+        stalled = []
+        for _ in range(3):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", relay.server.port))
+            s.sendall(f"GET /v1/weights/blobs/{key} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+            stalled.append(s)
+        wait_for(lambda: served()["blob_gets"] == gets + 3)  # all three are being sent their blob
+        deadline = time.monotonic() + 60  # a hang guard, far beyond the seconds this takes
+        while True:
+            try:
+                with WeightClient(relay.url, retries=0, parallel=2) as client:
+                    assert client.latest() == 1
+                    assert client.blob(key) == blobs["big"]
+                break
+            except TransportError:
+                assert time.monotonic() < deadline, f"locked out: {relay.server.stats.snapshot()}"
+                time.sleep(0.1)
+        wait_for(
+            lambda: (
+                served().get("dropped_stalled_responses", 0) + served().get("evicted_stalled_connections", 0)
+                == 3
+            ),
+            timeout=60,
+        )
+        wait_for(lambda: served()["streams_in_flight"] == 0)
+        assert relay.stats()["upstream_blob_fetches"] == 1
+        for s in stalled:
+            s.close()

@@ -449,3 +449,110 @@ def test_a_request_body_is_never_taken_for_the_next_request(tmp_path):
             assert data.startswith(b"HTTP/1.1 200 ") and data.endswith(b'{"version": 0}'), data
             assert data.count(b"HTTP/1.1") == 1
         assert server.stats.snapshot()["requests"] == 2  # one per connection: nothing smuggled in
+
+
+def request_and_stop_reading(port, key, drip_bytes=0, every_s=0.05):
+    """A client that asks for blob ``key`` and then reads nothing (a small receive buffer, so the kernel takes
+    little on its behalf), or reads ``drip_bytes`` every ``every_s`` until its connection ends."""
+    s = socket.socket()
+    if not drip_bytes:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", port))
+    s.sendall(f"GET /v1/weights/blobs/{key} HTTP/1.1\r\nHost: t\r\n\r\n".encode())
+
+    def drip():
+        try:
+            while s.recv(drip_bytes):
+                time.sleep(every_s)
+        except OSError:
+            pass
+
+    if drip_bytes:
+        threading.Thread(target=drip, daemon=True).start()
+    return s
+
+
+def ended_short(s, size):
+    """Read what a dropped connection still delivers: True if it ends (reset or EOF) before ``size`` bytes."""
+    got = 0
+    s.settimeout(30)
+    try:
+        while chunk := s.recv(1 << 20):
+            got += len(chunk)
+    except ConnectionResetError:
+        pass
+    return got < size
+
+
+def test_clients_that_stop_reading_a_big_blob_never_lock_a_good_client_out(tmp_path):
+    """Before, four clients that asked for a big blob and read nothing held every slot of a 4-connection
+    server: a good client was refused for 120 s (until each stalled send's socket timeout)."""
+    store, manifest, blobs = make_store(tmp_path / "s", {"big": 32 << 20})
+    key = manifest.blobs["big"].key
+    with serve_store(store, max_connections=4) as server:  # the default send bounds
+        stalled = [request_and_stop_reading(server.port, key) for _ in range(4)]
+        wait_for(lambda: server.stats.snapshot().get("streams_in_flight", 0) == 4)
+        deadline = time.monotonic() + 60  # a hang guard, far beyond the seconds this takes
+        while True:
+            try:
+                with WeightClient([server.url], retries=0, parallel=2) as client:
+                    assert client.latest() == 0
+                    assert client.blob(key) == blobs["big"]
+                break
+            except TransportError:  # refused while the stalled ones have not waited long enough yet
+                assert time.monotonic() < deadline, f"good client locked out: {server.stats.snapshot()}"
+                time.sleep(0.1)
+        assert server.stats.snapshot()["evicted_stalled_connections"] >= 1
+        with WeightClient([server.url], retries=0) as client:  # and the server keeps serving
+            assert client.latest() == 0
+        for s in stalled:
+            s.close()
+
+
+def test_a_response_whose_client_accepts_nothing_for_send_stall_s_is_dropped(tmp_path):
+    """Below the connection cap too: the sending thread is freed and the connection reset, not held."""
+    store, manifest, blobs = make_store(tmp_path / "s", {"big": 32 << 20})
+    key = manifest.blobs["big"].key
+    with serve_store(store, send_stall_s=1.0, min_send_rate=0) as server:
+        stalled = [request_and_stop_reading(server.port, key) for _ in range(3)]
+        wait_for(lambda: server.stats.snapshot().get("dropped_stalled_responses", 0) == 3, timeout=60)
+        wait_for(lambda: server.stats.snapshot()["streams_in_flight"] == 0)
+        assert all(ended_short(s, len(blobs["big"])) for s in stalled)
+        with WeightClient([server.url], retries=0) as client:
+            assert client.blob(key) == blobs["big"]
+        assert "dropped_slow_responses" not in server.stats.snapshot()
+        for s in stalled:
+            s.close()
+    for bad in ({"send_stall_s": 0}, {"send_stall_s": float("inf")}, {"min_send_rate": -1}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            serve_store(store, **bad)
+
+
+def test_a_response_whose_client_reads_below_the_floor_rate_is_dropped(tmp_path):
+    """Clients that keep reading, but slowly (about 1.3 MB/s against a floor of 8 MiB/s), are dropped too:
+    before, clients dripping 40 kB/s held their connections for as long as the blob lasted."""
+    store, manifest, blobs = make_store(tmp_path / "s", {"big": 32 << 20})
+    key = manifest.blobs["big"].key
+    with serve_store(store, send_stall_s=2.0, min_send_rate=8 << 20) as server:
+        slow = [request_and_stop_reading(server.port, key, drip_bytes=64 << 10) for _ in range(2)]
+        wait_for(lambda: server.stats.snapshot().get("dropped_slow_responses", 0) == 2, timeout=60)
+        wait_for(lambda: server.stats.snapshot()["streams_in_flight"] == 0)
+        assert "dropped_stalled_responses" not in server.stats.snapshot()  # they never stopped reading
+        with WeightClient([server.url], retries=0) as client:
+            assert client.blob(key) == blobs["big"]
+        for s in slow:
+            s.close()
+
+
+def test_a_client_at_or_above_the_floor_rate_is_never_dropped(tmp_path):
+    """A client paced at 1 MB/s by its own link, against a floor of 256 KiB/s and a 1 s stall bound: its
+    socket's send buffer drains slowly (no writable wake-up for long stretches), but it keeps acknowledging
+    bytes, so nothing is dropped."""
+    store, manifest, blobs = make_store(tmp_path / "s", {"w": 3_000_000})
+    with serve_store(store, send_stall_s=1.0, min_send_rate=256 << 10) as server:
+        limiter = TokenBucket(1e6)
+        with WeightClient([server.url], retries=0, parallel=1, limiter=limiter) as client:
+            assert client.download(manifest.blobs) == blobs
+        assert limiter.waited_s > 1.0  # it was paced, so the server waited on it
+        stats = server.stats.snapshot()
+        assert "dropped_stalled_responses" not in stats and "dropped_slow_responses" not in stats

@@ -17,6 +17,9 @@ Invariants:
 - ``upstream_bandwidth_bytes_per_s`` paces everything the relay receives from upstream (one link);
   ``bandwidth_bytes_per_s`` paces what it sends to local clients. A blob is served only after it is fully
   cached (store and forward).
+- Its local server is a ``WeightServer`` with the same connection cap and send bounds as ``serve_store``
+  (``max_connections``, ``send_stall_s``, ``min_send_rate``): local clients that stop reading a blob, or
+  read it below the floor rate, are dropped, and never keep the other engines of the region out.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from tandem.weights.client import WeightClient
 from tandem.weights.errors import ManifestError, MissingKeyError, TransportError
 from tandem.weights.manifest import Manifest
 from tandem.weights.ratelimit import TokenBucket
-from tandem.weights.transport import BlobReader, WeightServer
+from tandem.weights.transport import DEFAULT_MIN_SEND_RATE, DEFAULT_SEND_STALL_S, BlobReader, WeightServer
 
 
 class Relay:
@@ -53,6 +56,9 @@ class Relay:
         parallel: int = 4,
         retries: int = 3,
         timeout_s: float = 30.0,
+        max_connections: int | None = None,
+        send_stall_s: float = DEFAULT_SEND_STALL_S,
+        min_send_rate: float = DEFAULT_MIN_SEND_RATE,
     ) -> None:
         self.cache = FileBackend(cache_dir, durable=False)
         # before anything starts: an unusable cache would otherwise fail every request with a 500
@@ -75,7 +81,15 @@ class Relay:
         self._manifests: dict[int, bytes] = {}
         self._latest: tuple[float, int | None] | None = None
         self._counts = {"upstream_blob_fetches": 0, "cache_hits": 0, "coalesced": 0, "upstream_latest": 0}
-        self.server = WeightServer(self, host, port, bandwidth_bytes_per_s)
+        self.server = WeightServer(
+            self,
+            host,
+            port,
+            bandwidth_bytes_per_s,
+            max_connections=max_connections,
+            send_stall_s=send_stall_s,
+            min_send_rate=min_send_rate,
+        )
 
     @property
     def url(self) -> str:

@@ -21,19 +21,40 @@ Connections: one thread each, at most ``max_connections`` at once (default from 
 limit, ``default_max_connections``, so sockets never exhaust the descriptors the server needs to accept and
 to read blobs). A connection is *idle* while it waits for a request or its request's headers are still
 arriving; a new connection beyond the cap closes the longest-idle one (its client, if well-behaved, retries
-on a fresh connection), and is refused (closed at once, ``refused_connections``) only when every connection
-is busy sending a response. So idle or slowloris connections, however many, never keep a well-behaved
-client out, and an ``accept`` that fails for lack of descriptors frees an idle one and backs off instead of
-spinning.
+on a fresh connection), or else one stalled on its client (below), and is refused (closed at once,
+``refused_connections``) only when every connection is busy and none is stalled. So idle or slowloris
+connections, however many, never keep a well-behaved client out, and an ``accept`` that fails for lack of
+descriptors frees an idle or stalled one and backs off instead of spinning.
+
+Sending (every byte of a response: headers, JSON, manifests, blobs) waits on the client only within two
+bounds, so a client that asks for a large blob and then reads it slowly or not at all never holds its
+connection, and its thread, for long. What counts is what the client's TCP stack acknowledges (``SIOCOUTQ``
+on Linux), looked at every half second while a send waits; the server's own bandwidth limit and blob reads
+do not count as waiting. A response whose client accepts no byte for ``send_stall_s`` (default 30 s) is
+dropped, and so is one whose client accepts bytes below ``min_send_rate`` (default 16 KiB/s; 0: no floor):
+a response may wait on its client at most ``send_stall_s + accepted / min_send_rate`` seconds in all, so the
+floor never drops a client at or above it. A dropped response's connection is reset (``SO_LINGER`` 0:
+what is queued for it is discarded) and counted (``dropped_stalled_responses``,
+``dropped_slow_responses``); its client sees a short read and can resume with ``Range``. And when the
+server is full with no idle connection, a new connection closes the response that has waited longest on
+a client that accepts nothing, once that is ``EVICT_STALLED_S`` (2 s, or ``send_stall_s`` if less;
+``evicted_stalled_connections``), instead of being refused. So clients that stop reading, however many,
+keep a well-behaved client out for seconds at most, and a sender thread never waits on a client that
+accepts nothing for longer than ``send_stall_s``.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
+import io
 import json
 import logging
+import math
 import resource
 import socket
+import struct
+import termios
 import threading
 import time
 from collections import Counter
@@ -172,6 +193,14 @@ FD_RESERVE = 64
 MAX_CONNECTIONS = 1024
 """Upper bound of the default cap (one thread per connection)."""
 _ACCEPT_BACKOFF_S = 0.05
+DEFAULT_SEND_STALL_S = 30.0
+"""A response whose client accepts no byte for this long is dropped."""
+DEFAULT_MIN_SEND_RATE = 16 * 1024
+"""Bytes/s below which a response is dropped (after ``send_stall_s`` of grace): a client this slow, about
+0.13 Mbit/s, is not following weights."""
+EVICT_STALLED_S = 2.0
+"""On a full server, a new connection closes a response whose client has accepted nothing for this long."""
+_LINGER_RESET = struct.pack("ii", 1, 0)
 
 
 def default_max_connections() -> int:
@@ -181,6 +210,120 @@ def default_max_connections() -> int:
     if soft == resource.RLIM_INFINITY:
         return MAX_CONNECTIONS
     return max(4, min(MAX_CONNECTIONS, (soft - FD_RESERVE) // 2))
+
+
+class _Conn:
+    """One admitted connection: since when it is idle (None while busy) and its current response's send
+    progress. Written by its handler thread; read by the accepting thread under the server's mutex."""
+
+    __slots__ = ("accepted", "idle_since", "response_from", "waited", "waiting_since", "written")
+
+    def __init__(self, now: float) -> None:
+        self.idle_since: float | None = now
+        self.written = 0
+        """Bytes written into the socket on this connection."""
+        self.response_from = 0
+        """``written`` when the current response began."""
+        self.waited = 0.0
+        """Seconds the current response has spent in ``send``, waiting on its client."""
+        self.accepted = 0
+        """Bytes of the current response its client has acknowledged, when last looked."""
+        self.waiting_since: float | None = None
+        """While a write is in progress: when its client last accepted bytes (or the write began)."""
+
+    def start_response(self) -> None:
+        self.response_from, self.waited, self.accepted = self.written, 0.0, 0
+
+
+class _SendDeadline(TimeoutError):
+    """A response dropped because its client stopped accepting bytes or accepts them below the floor rate
+    (a ``TimeoutError``, so ``http.server``'s own request loop also treats it as a closed connection)."""
+
+
+def _reset_on_close(sock: socket.socket) -> None:
+    """Make closing ``sock`` send a reset and discard what is queued for its client."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+    except OSError:
+        pass
+
+
+_OUTQ = getattr(termios, "TIOCOUTQ", None)
+"""Linux's ``SIOCOUTQ`` (same number): the bytes of a TCP socket its peer has not acknowledged yet."""
+_POLL_S = 0.5
+"""How often a waiting send looks at what its client has acknowledged."""
+
+
+class _DeadlineWriter(io.BufferedIOBase):
+    """A connection's ``wfile``: sends every byte within the server's send bounds (module docstring) and
+    raises ``_SendDeadline`` past them.
+
+    Progress is what the client's TCP stack acknowledged (``SIOCOUTQ``), looked at after each ``send`` and
+    every ``_POLL_S`` while one waits, not bytes handed to the kernel: those fill the send buffer (megabytes,
+    autotuned) at once for a client that reads nothing, and the socket turns writable again only after
+    about a third of it drained. A client reading slowly out of a large receive buffer it filled earlier
+    acknowledges nothing until about half of it is free again (TCP's window updates), so one that slows to
+    a crawl after a fast start can meet the stall bound; it resumes with ``Range``. Where the query is not
+    available, bytes written count as accepted."""
+
+    def __init__(self, sock: socket.socket, conn: _Conn, owner: WeightServer, read_timeout: float | None):
+        self._sock, self._conn, self._owner, self._read_timeout = sock, conn, owner, read_timeout
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        sock, conn = self._sock, self._conn
+        stall_s, floor = self._owner.send_stall_s, self._owner.min_send_rate
+        pos, size = 0, len(view)
+        t0 = conn.waiting_since = time.monotonic()
+        sock.settimeout(min(_POLL_S, stall_s / 4))
+        try:
+            try:  # the common case: the socket takes it all at once, nothing waited on the client
+                pos = sock.send(view)
+            except TimeoutError:
+                pass
+            conn.written += pos
+            if pos < size:
+                conn.waited += time.monotonic() - t0
+            while pos < size:
+                t0 = time.monotonic()
+                try:
+                    n = sock.send(view[pos:])
+                except TimeoutError:
+                    n = 0
+                now = time.monotonic()
+                conn.waited += now - t0
+                pos += n
+                conn.written += n
+                accepted = self._accepted()
+                if accepted > conn.accepted:
+                    conn.accepted, conn.waiting_since = accepted, now
+                elif now - conn.waiting_since >= stall_s:
+                    self._drop("dropped_stalled_responses", f"accepted no byte for {stall_s:g} s")
+                if floor and conn.waited > stall_s + conn.accepted / floor:
+                    self._drop("dropped_slow_responses", f"accepts bytes below {floor:.0f} B/s")
+        finally:
+            conn.waiting_since = None
+            sock.settimeout(self._read_timeout)
+        return size
+
+    def _accepted(self) -> int:
+        """Bytes of the current response the client has acknowledged."""
+        conn, queued = self._conn, 0
+        if _OUTQ is not None:
+            try:
+                queued = struct.unpack("i", fcntl.ioctl(self._sock.fileno(), _OUTQ, b"\0\0\0\0"))[0]
+            except OSError:
+                pass
+        return conn.written - queued - conn.response_from
+
+    def _drop(self, counter: str, why: str) -> None:
+        _reset_on_close(self._sock)
+        self._owner.stats.add(counter)
+        log.info("weights server: dropped a response whose client %s", why)
+        raise _SendDeadline(f"client {why}")
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -196,7 +339,7 @@ class _HTTPServer(ThreadingHTTPServer):
             if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                 # Out of descriptors: free an idle connection and back off; without this the listening
                 # socket stays readable and the serve loop spins on failing accepts.
-                self.owner._evict_idle()
+                self.owner._evict_one()
                 time.sleep(_ACCEPT_BACKOFF_S)
             raise
 
@@ -227,6 +370,8 @@ class _Handler(BaseHTTPRequestHandler):
         # Headers and body go out in separate writes: without TCP_NODELAY, Nagle's algorithm holds the body
         # until the client's delayed ACK (about 40 ms on Linux), once per request.
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        owner = self.server.owner
+        self.wfile = _DeadlineWriter(self.connection, owner._record(self.connection), owner, self.timeout)
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
@@ -335,6 +480,13 @@ class _Handler(BaseHTTPRequestHandler):
                 raise _Aborted from e
             if not chunk:  # the blob shrank after it was verified: cut the response short
                 raise _Aborted
+            if owner.limiter is None:  # one write per chunk; the writer sends it in pieces as it goes
+                if owner.stopping.is_set():
+                    raise _Aborted
+                self.wfile.write(chunk)
+                owner.stats.add("bytes_sent", len(chunk))
+                pos += len(chunk)
+                continue
             for i in range(0, len(chunk), SEND_CHUNK):
                 piece = chunk[i : i + SEND_CHUNK]
                 if owner.limiter is not None:
@@ -381,6 +533,8 @@ class WeightServer:
         port: int = 0,
         bandwidth_bytes_per_s: float | None = None,
         max_connections: int | None = None,
+        send_stall_s: float = DEFAULT_SEND_STALL_S,
+        min_send_rate: float = DEFAULT_MIN_SEND_RATE,
     ) -> None:
         self.source = source
         self.limiter = TokenBucket(bandwidth_bytes_per_s) if bandwidth_bytes_per_s else None
@@ -389,8 +543,16 @@ class WeightServer:
         self.max_connections = default_max_connections() if max_connections is None else max_connections
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
-        # Every admitted connection -> the time it became idle (see module docstring), None while busy.
-        self._connections: dict[socket.socket, float | None] = {}
+        if not (math.isfinite(send_stall_s) and send_stall_s > 0):
+            raise ValueError(f"send_stall_s must be > 0 and finite, got {send_stall_s}")
+        if not (math.isfinite(min_send_rate) and min_send_rate >= 0):
+            raise ValueError(
+                f"min_send_rate must be >= 0 and finite (bytes/s; 0: no floor), got {min_send_rate}"
+            )
+        self.send_stall_s = float(send_stall_s)
+        self.min_send_rate = float(min_send_rate)
+        # Every admitted connection -> its record (idle or busy, send progress; see module docstring).
+        self._connections: dict[socket.socket, _Conn] = {}
         self._conn_mutex = threading.Lock()
         self._httpd = _HTTPServer((host, port), _Handler)
         self._httpd.owner = self
@@ -406,38 +568,70 @@ class WeightServer:
         return f"http://{host}:{self.port}"
 
     def _admit(self, sock: socket.socket) -> bool:
-        """Track a new connection, closing the longest-idle one to stay within ``max_connections``; False
-        (the caller closes it) when every admitted connection is busy."""
+        """Track a new connection, closing the longest-idle one (or else one stalled on its client) to stay
+        within ``max_connections``; False (the caller closes it) when every admitted connection is busy and
+        none of them is stalled."""
         with self._conn_mutex:
-            if len(self._connections) >= self.max_connections and not self._evict_idle_locked():
+            if len(self._connections) >= self.max_connections and not self._evict_one_locked():
                 self.stats.add("refused_connections")
                 return False
-            self._connections[sock] = time.monotonic()
+            self._connections[sock] = _Conn(time.monotonic())
             return True
 
-    def _evict_idle(self) -> bool:
+    def _record(self, sock: socket.socket) -> _Conn:
+        """The record of an admitted connection (a detached one if it was already evicted)."""
         with self._conn_mutex:
-            return self._evict_idle_locked()
+            return self._connections.get(sock) or _Conn(time.monotonic())
 
-    def _evict_idle_locked(self) -> bool:
-        idle = [(since, id(sock), sock) for sock, since in self._connections.items() if since is not None]
-        if not idle:
-            return False
-        _, _, sock = min(idle)
+    def _evict_one(self) -> bool:
+        with self._conn_mutex:
+            return self._evict_one_locked()
+
+    def _evict_one_locked(self) -> bool:
+        """Close the longest-idle connection, else the one whose client has accepted nothing the longest,
+        if that is at least ``EVICT_STALLED_S``; False if there is neither."""
+        idle = [
+            (c.idle_since, id(sock), sock)
+            for sock, c in self._connections.items()
+            if c.idle_since is not None
+        ]
+        if idle:
+            self._close_tracked(min(idle)[2], reset=False)
+            self.stats.add("evicted_idle_connections")
+            return True
+        since = time.monotonic() - min(EVICT_STALLED_S, self.send_stall_s)
+        stalled = [  # ``waiting_since`` is read once: its handler thread sets it without the mutex
+            (w, id(sock), sock)
+            for sock, c in self._connections.items()
+            if (w := c.waiting_since) is not None and w <= since
+        ]
+        if stalled:
+            self._close_tracked(min(stalled)[2], reset=True)
+            self.stats.add("evicted_stalled_connections")
+            return True
+        return False
+
+    def _close_tracked(self, sock: socket.socket, reset: bool) -> None:
         del self._connections[sock]  # its thread's own untrack is then a no-op
+        if reset:
+            _reset_on_close(sock)
         try:
-            sock.shutdown(socket.SHUT_RDWR)  # its handler's blocked read returns at once and it exits
+            sock.shutdown(socket.SHUT_RDWR)  # its handler's blocked read or send returns at once and it exits
         except OSError:
             pass
-        self.stats.add("evicted_idle_connections")
-        return True
 
     def _set_idle(self, sock: socket.socket, idle: bool) -> None:
-        """Mark a connection idle (keeping the time it became so, if it already was) or busy."""
+        """Mark a connection idle (keeping the time it became so, if it already was) or busy with a new
+        request (whose response's send progress starts from zero)."""
         with self._conn_mutex:
-            if sock in self._connections:
-                since = self._connections[sock]
-                self._connections[sock] = (since or time.monotonic()) if idle else None
+            conn = self._connections.get(sock)
+            if conn is None:
+                return
+            if idle:
+                conn.idle_since = conn.idle_since or time.monotonic()
+            else:
+                conn.idle_since = None
+                conn.start_response()
 
     def _untrack(self, sock: socket.socket) -> None:
         with self._conn_mutex:
@@ -472,6 +666,11 @@ def serve_store(
     port: int = 0,
     bandwidth_bytes_per_s: float | None = None,
     max_connections: int | None = None,
+    send_stall_s: float = DEFAULT_SEND_STALL_S,
+    min_send_rate: float = DEFAULT_MIN_SEND_RATE,
 ) -> WeightServer:
-    """Serve ``store`` over HTTP (see the module docstring); ``bandwidth_bytes_per_s`` caps total egress."""
-    return WeightServer(StoreSource(store), host, port, bandwidth_bytes_per_s, max_connections)
+    """Serve ``store`` over HTTP (see the module docstring); ``bandwidth_bytes_per_s`` caps total egress;
+    ``send_stall_s`` and ``min_send_rate`` bound how long a response waits on a slow client."""
+    return WeightServer(
+        StoreSource(store), host, port, bandwidth_bytes_per_s, max_connections, send_stall_s, min_send_rate
+    )
