@@ -194,6 +194,51 @@ def test_a_dead_rollout_worker_stops_the_run_at_once_naming_it(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_crashed_engine_is_restarted_at_the_runs_version_and_the_run_goes_on(tmp_path):
+    """The only engine's process is SIGKILLed after step 1 (a crash: Ray restarts it). Before, the run
+    ended ("every engine died"; the actor was not restartable). Now the fleet waits for the new process,
+    brings it to the run's newest version through the weight store and only then lets it serve (it loaded
+    the starting weights, version 0); the requests the dead process was serving are sent again, and the run
+    finishes every step on it."""
+    cfg = build_config(
+        "smoke", None, ["orchestrator.steps=4", "eval.before_after=false", "train.checkpoint_every=0"]
+    )
+    seen: dict = {}
+
+    def crasher():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text():
+                engine = ray.get_actor("tandem-engine-0")
+                seen["old_pid"] = ray.get(engine.__ray_call__.remote(lambda _: os.getpid()))
+                os.kill(seen["old_pid"], signal.SIGKILL)
+                while time.monotonic() < deadline:  # until the restarted process serves
+                    with contextlib.suppress(Exception):
+                        answer = ray.get(engine.ping.remote(), timeout=10)
+                        if answer["pid"] != seen["old_pid"] and answer["serving"]:
+                            seen["version"] = ray.get(engine.stats.remote(), timeout=10)["version"]
+                            return
+                    time.sleep(0.05)
+            time.sleep(0.01)
+
+    threading.Thread(target=crasher, daemon=True).start()
+    try:
+        result = train(cfg, tmp_path, quiet=True)
+    finally:
+        ray.shutdown()
+    assert "old_pid" in seen
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["engines_alive"] == 1 for r in rows)
+    assert result.lost == []
+    assert len(result.restarted) == 1 and result.restarted[0].startswith("engine 0 died (")
+    assert result.restarted[0].endswith("restarted and brought to the run's version (1 of "
+                                        "orchestrator.engine_restarts=3)")  # fmt: skip
+    assert seen["version"] >= 1  # it served the run's weights from the start, not the starting ones
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["restarted"] == result.restarted
+
+
+@pytest.mark.slow
 def test_a_crashed_rollout_worker_is_restarted_and_a_dead_one_left_out(tmp_path):
     """Two rollout workers after step 1: worker 1's process is SIGKILLed (a crash: Ray restarts it) and
     worker 0 is killed for good. Before, either death stopped the run ("rollout worker N died"): the credits

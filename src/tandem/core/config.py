@@ -641,6 +641,10 @@ class OrchestratorConfig(Section):
     """Join this Ray cluster instead of starting a local one."""
     request_timeout_s: float = 300.0
     """A group whose rollout takes longer is abandoned and requeued; nothing waits forever."""
+    engine_restarts: int = Field(3, ge=0, le=1000)
+    """How many times each engine's process is restarted after it dies (the OOM killer, a crash) before the
+    run goes on without it (or stops, when it was the last): the restarted engine is brought to the run's
+    version before it serves again, and the requests it was serving are sent again. 0: not restarted."""
     worker_restarts: int = Field(3, ge=0, le=1000)
     """How many times each rollout worker's process is restarted after it dies (the OOM killer, a crash)
     before the run goes on without it; the credits of its groups in flight go back to the pool at once

@@ -50,6 +50,15 @@ def _set_threads(n: int) -> None:
     os.environ["OMP_NUM_THREADS"] = str(max(1, n))
 
 
+def _restarted_actor() -> bool:
+    """Whether this actor's process is one Ray started again after the actor's previous process died."""
+    import warnings
+
+    with warnings.catch_warnings():  # Ray's implementation of it warns about an API of its own
+        warnings.simplefilter("ignore")
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
 @ray.remote(num_cpus=0)
 class EngineActor:
     """Serves ``generate`` for rollout workers from one engine (``engine.kind``); applies verified updates."""
@@ -68,7 +77,17 @@ class EngineActor:
         )
         self.engine.start()
         self.weight_sync = None
+        self.serving = asyncio.Event()
+        """Set while ``generate`` may run: at once in a first start; in a process Ray restarted after a
+        crash only once the driver brought it to the run's version (``resume_serving``), so a restarted
+        engine never samples from the starting weights it loaded."""
+        if not _restarted_actor():
+            self.serving.set()
         freeze_heap()
+
+    async def resume_serving(self) -> None:
+        """The driver brought this (restarted) engine to the run's version: serve again."""
+        self.serving.set()
 
     async def connect_weights(self, weight_urls: list[str], weight_share: str | None = None) -> None:
         """Follow the weight store at ``weight_urls`` (the delta path; the URLs are known only once the
@@ -93,6 +112,8 @@ class EngineActor:
         return await asyncio.to_thread(self.weight_sync.sync, version)
 
     async def generate(self, request):
+        if not self.serving.is_set():
+            await self.serving.wait()
         return await asyncio.wrap_future(self.engine.submit(request))
 
     async def update_weights(self, update: WeightUpdate) -> float:
@@ -102,13 +123,14 @@ class EngineActor:
         await asyncio.to_thread(self.engine.update_weights, update.version, update.tensors)
         return time.monotonic() - t0
 
-    async def ping(self) -> bool:
+    async def ping(self) -> dict[str, Any]:
         """Answers at once while the actor's process runs, whatever its other calls are waiting on (the
-        fleet tells a hung engine from one blocked behind it by this)."""
-        return True
+        fleet tells a hung engine from one blocked behind it by this, and a restarted one by ``pid`` and
+        ``serving``)."""
+        return {"pid": os.getpid(), "serving": self.serving.is_set()}
 
     async def stats(self) -> dict[str, Any]:
-        out = {**self.engine.stats(), **self.engine.health()}
+        out = {**self.engine.stats(), **self.engine.health(), "pid": os.getpid()}
         if self.weight_sync is not None:
             out["weights"] = {**self.weight_sync.stats, "recoveries": self.weight_sync.recoveries}
         return out
@@ -122,6 +144,8 @@ class EngineActor:
             await asyncio.to_thread(close)
 
 
+UNAVAILABLE_RETRY_S = 0.5
+"""How long a rollout worker waits before it sends a request again to an engine Ray is restarting."""
 FAIL_FAST_GROUPS = 16  # groups failing in a row (none finishing) after which the trainer stops waiting
 
 
@@ -275,6 +299,7 @@ class RolloutActor:
         self.engines = engines
         self.outstanding = [0] * len(engines)
         self.dead = [False] * len(engines)
+        self.unavailable_until = [0.0] * len(engines)  # monotonic time before which an engine is restarting
         self.buffer = buffer
         self.stream = TaskStream(cfg, index, num_workers)
         self.worker = RolloutWorker(
@@ -286,27 +311,42 @@ class RolloutActor:
         freeze_heap()
 
     async def _generate(self, request):
-        from ray.exceptions import RayActorError
+        """Generate on the live engine with the fewest requests outstanding. A request whose engine died
+        (Ray restarts it, or it is gone for good) is sent again, whole, to another engine, or to the same one
+        once it is back, until ``orchestrator.request_timeout_s``: a session loses no turn to an engine
+        crash (what the engine had sampled of the turn is discarded with it; nothing of it was recorded)."""
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
         from tandem.core.generation import Completion
 
-        alive = [i for i in range(len(self.engines)) if not self.dead[i]]
-        if not alive:
-            return Completion([], [], [], "error", "no live engine")
-        i = min(alive, key=lambda j: self.outstanding[j])
-        self.outstanding[i] += 1
-        ref = self.engines[i].generate.remote(request)
-        try:
-            return await ref
-        except asyncio.CancelledError:  # e.g. the rollout of an external harness ended (gateway revoke)
-            ray.cancel(ref)  # the engine actor's task ends and the engine drops the request if not started
-            raise
-        except RayActorError as e:
-            self.dead[i] = True
-            self.errors.append(f"engine {i} died: {e}")
-            return Completion([], [], [], "error", f"engine {i} died")
-        finally:
-            self.outstanding[i] -= 1
+        deadline = time.monotonic() + self.cfg.orchestrator.request_timeout_s
+        while True:
+            alive = [i for i in range(len(self.engines)) if not self.dead[i]]
+            if not alive:
+                dead = ", ".join(f"engine {i}" for i in range(len(self.engines)))
+                return Completion([], [], [], "error", f"no live engine ({dead} died)")
+            now = time.monotonic()
+            ready = [i for i in alive if self.unavailable_until[i] <= now]
+            if not ready:
+                if now >= deadline:
+                    return Completion([], [], [], "error", "every live engine is restarting")
+                await asyncio.sleep(UNAVAILABLE_RETRY_S)
+                continue
+            i = min(ready, key=lambda j: self.outstanding[j])
+            self.outstanding[i] += 1
+            ref = self.engines[i].generate.remote(request)
+            try:
+                return await ref
+            except asyncio.CancelledError:  # e.g. the rollout of an external harness ended (gateway revoke)
+                ray.cancel(ref)  # the engine actor's task ends; the engine drops the request if not started
+                raise
+            except ActorUnavailableError:  # its process died and Ray restarts it: try again shortly
+                self.unavailable_until[i] = time.monotonic() + UNAVAILABLE_RETRY_S
+            except (ActorDiedError, RayActorError) as e:
+                self.dead[i] = True
+                self.errors.append(f"engine {i} died: {e}")
+            finally:
+                self.outstanding[i] -= 1
 
     async def produce(self, producer: str = "") -> str | None:
         """Loop until stopped: take a credit, run a group, put it in the buffer. Returns why it stopped on
@@ -401,6 +441,13 @@ class RelayActor:
 
     def stats(self) -> dict[str, Any]:
         return dict(self.relay.stats())
+
+    async def until_dead(self) -> None:
+        """Never returns: the driver keeps one call pending and watches it with ``ray.wait`` (no waiting);
+        it fails with ``ActorDiedError`` once this relay is gone (``WeightPath`` reports it in ``lost``).
+        The one ``async`` method makes this an async actor: ``url`` and ``stats`` run on its event loop,
+        beside this call."""
+        await asyncio.Event().wait()
 
 
 @ray.remote(num_cpus=0)

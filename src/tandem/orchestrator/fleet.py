@@ -19,17 +19,28 @@ Invariants:
   no batch could fill and the driver never reached a call that would find it (the run ended when ``take``
   timed out); once it is killed, the rollout workers' calls to it fail, their groups are requeued and run
   on the live engines, and the driver restarts ``take``'s idle clock (``BufferActor.restart_idle_clock``).
-- A dead engine's counters stay at their last reading, so the run's totals never go backwards.
+- An engine whose process dies while Ray may restart it (``orchestrator.engine_restarts``, the actors'
+  ``max_restarts``) is brought back, not lost: a call that finds it restarting (``ActorUnavailableError``),
+  or an answer from a new process (``ping``/``stats`` name the process and whether it serves yet), makes the
+  fleet wait until it answers (within ``answer_within_s``: a vLLM engine starts in about 35 s), then
+  ``rejoin`` (the weight path's: connect it to the weight store and bring it to the run's version, or send
+  it the full weights) and tell it to serve; until then its ``generate`` waits, so it never samples from the
+  starting weights it loaded. The call that found it has no result for it. Each restart is kept in
+  ``restarted``. Restarts used up, Ray answers ``ActorDiedError``: the engine is dead as above.
+- A dead engine's counters stay at their last reading, and a restarted one's new counters are added to its
+  old process's last reading, so the run's totals never go backwards.
 - Every loss is kept in ``lost`` (one line per engine, saying why), for the progress line, the metrics row
   (``engines_alive``) and the report.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from tandem.core.errors import TandemError
 
@@ -38,6 +49,8 @@ CHECK_EVERY_S = 5.0
 PING_S = 10.0
 """How long a late engine has to answer ``ping`` before it is taken as hung (a running process answers in
 milliseconds; a loaded 2-core machine in well under a second)."""
+RESTART_POLL_S = 0.5
+"""How often a restarting engine is asked whether it answers again."""
 TOTALS = ("busy_s", "prefill_tokens", "prefix_hit_tokens", "steps", "tokens_generated")
 """The engines' cumulative counters the run sums (``EngineActor.stats``)."""
 
@@ -49,12 +62,22 @@ class EngineLostError(TandemError):
 class EngineFleet:
     """The engine actors of one run (their order is their index, as in ``tandem-engine-<i>``)."""
 
-    def __init__(self, engines: list, answer_within_s: float = 300.0) -> None:
+    def __init__(self, engines: list, answer_within_s: float = 300.0, restarts: int = 0) -> None:
         self.engines = list(engines)
         self.answer_within_s = answer_within_s
+        self.restarts = restarts
+        """The most restarts Ray makes of each engine (the actors' ``max_restarts``)."""
+        self.rejoin: Callable[[int, Any], None] | None = None
+        """Brings a restarted engine (index, actor) to the run's version; set by the weight path."""
         self.dead: dict[int, str] = {}
         self.lost: list[str] = []
+        self.restarted: list[str] = []
+        """Each restart of an engine whose process died, one line each."""
         self._last_stats: list[dict[str, Any]] = [{} for _ in self.engines]
+        self._base_stats: list[dict[str, float]] = [{} for _ in self.engines]
+        """Per engine, the counters of its processes before the current one."""
+        self._pid: list[int | None] = [None for _ in self.engines]
+        self._incarnation = [0 for _ in self.engines]
 
     def live(self) -> list[tuple[int, Any]]:
         return [(i, e) for i, e in enumerate(self.engines) if i not in self.dead]
@@ -79,6 +102,16 @@ class EngineFleet:
                 results[i] = ray.get(ref)
             except ActorDiedError as e:
                 self._mark_dead(i, e)
+            except ActorUnavailableError as e:
+                self._recover(i, type(e).__name__)
+            except Exception:
+                # e.g. a weight sync sent to a restarted process before it was connected: recover it if so
+                if not self._restarted_now(i):
+                    raise
+            else:
+                if isinstance(results[i], dict) and self._is_new_process(i, results[i]):
+                    del results[i]  # a new process's answer, e.g. its counters from zero
+                    self._recover(i, "a new process answered")
         if not self.live():
             raise EngineLostError("every engine died: " + "; ".join(self.lost))
         return results
@@ -110,11 +143,82 @@ class EngineFleet:
                 removed = True
                 continue
             try:
-                ray.get(ref)
+                answer = ray.get(ref)
             except ActorDiedError as e:
                 self._mark_dead(i, e)
                 removed = True
+            except ActorUnavailableError as e:
+                removed |= not self._recover(i, type(e).__name__)
+            else:
+                if self._is_new_process(i, answer):
+                    removed |= not self._recover(i, "a new process answered")
         return removed
+
+    def _is_new_process(self, i: int, answer: dict[str, Any]) -> bool:
+        """Whether ``answer`` (of ``ping`` or ``stats``) came from a process of engine ``i`` other than the
+        one the fleet knows, or from one that does not serve yet (a restart); records the first pid seen."""
+        pid = answer.get("pid")
+        if pid is None:
+            return False
+        if self._pid[i] is None:
+            self._pid[i] = pid
+        return pid != self._pid[i] or answer.get("serving") is False
+
+    def _restarted_now(self, i: int) -> bool:
+        """After a call to engine ``i`` failed: whether its process was restarted (then it is recovered)."""
+        try:
+            answer = ray.get(self.engines[i].ping.remote(), timeout=PING_S)
+        except ActorUnavailableError as e:
+            self._recover(i, type(e).__name__)
+            return True
+        except Exception:  # noqa: BLE001 - the caller raises the call's own error
+            return False
+        if self._is_new_process(i, answer):
+            self._recover(i, "a new process answered")
+            return True
+        return False
+
+    def _recover(self, i: int, cause: str) -> bool:
+        """Engine ``i``'s process died and Ray restarts it: wait until it answers, bring it to the run's
+        version (``rejoin``) and let it serve. False when it will not come back (then it is dead or, not
+        answering within ``answer_within_s``, killed as hung)."""
+        deadline = time.monotonic() + self.answer_within_s
+        while True:
+            try:
+                answer = ray.get(
+                    self.engines[i].ping.remote(), timeout=max(deadline - time.monotonic(), 0.01)
+                )
+                break
+            except (ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                if time.monotonic() >= deadline:
+                    self._mark_hung(i)
+                    return False
+                time.sleep(RESTART_POLL_S)
+            except ActorDiedError as e:
+                self._mark_dead(i, e)
+                return False
+        if answer["serving"] and answer["pid"] == self._pid[i]:
+            return True  # an older call of the dead process, failing late: this one is already back
+        if self.rejoin is not None:
+            try:
+                self.rejoin(i, self.engines[i])
+            except ActorDiedError as e:
+                self._mark_dead(i, e)
+                return False
+            except ActorUnavailableError:  # it died again while rejoining
+                return self._recover(i, cause)
+        else:
+            ray.get(self.engines[i].resume_serving.remote())
+        last = self._last_stats[i]
+        self._base_stats[i] = {k: self._base_stats[i].get(k, 0.0) + float(last.get(k, 0)) for k in TOTALS}
+        self._last_stats[i] = {}
+        self._pid[i] = answer["pid"]
+        self._incarnation[i] += 1
+        self.restarted.append(
+            f"engine {i} died ({cause}); restarted and brought to the run's version "
+            f"({self._incarnation[i]} of orchestrator.engine_restarts={self.restarts})"
+        )
+        return True
 
     def _mark_dead(self, i: int, e: Exception) -> None:
         if i not in self.dead:
@@ -143,4 +247,9 @@ class EngineFleet:
         prefilled prompt tokens, prompt tokens served from parked KV, decode steps and sampled tokens."""
         for i, stats in self.gather(self.call("stats")).items():
             self._last_stats[i] = stats
-        return {k: float(sum(s.get(k, 0) for s in self._last_stats)) for k in TOTALS}
+        return {
+            k: float(
+                sum(s.get(k, 0) for s in self._last_stats) + sum(b.get(k, 0.0) for b in self._base_stats)
+            )
+            for k in TOTALS
+        }

@@ -9,9 +9,11 @@ Invariants:
   updated to v+1 before the next batch starts (the comparison baseline).
 - Every step appends one line to ``metrics.jsonl``; checkpoints are atomic; ``resume`` continues from the
   latest checkpoint's version with the same config.
-- Faults: the run goes on without a dead engine while another lives, and without a dead host leader
-  (``EngineFleet``, ``WeightPath``; each loss is noted on the progress line, counted in the metrics row's
-  ``engines_alive`` and listed in the report). A rollout worker whose process dies has its groups' credits
+- Faults: an engine whose process dies is restarted up to ``orchestrator.engine_restarts`` times and
+  brought to the run's version before it serves again; the run goes on without an engine dead for good (or
+  hung) while another lives, and without a dead host leader (``EngineFleet``, ``WeightPath``; each loss or
+  restart is noted on the progress line, losses are counted in the metrics row's ``engines_alive``, and
+  both are listed in the report). A rollout worker whose process dies has its groups' credits
   reclaimed and is restarted up to ``orchestrator.worker_restarts`` times, then left out; the run stops,
   naming it, only when no worker is left (``RolloutCrew``; restarts and losses are noted and reported like
   the engines'). A dead buffer or trainer stops the run at once with an error naming it.
@@ -68,10 +70,10 @@ class RunResult:
     """Mean number of the driver machine's cores busy (all its processes, tandem's or not) during the
     training loop; None where ``/proc/stat`` cannot be read."""
     lost: list[str] = field(default_factory=list)
-    """The actors the run lost and went on without (a dead engine, the host leader, a rollout worker not
-    restarted), one line each."""
+    """The actors the run lost and went on without (an engine or rollout worker dead for good, a hung
+    engine, the host leader, a relay), one line each."""
     restarted: list[str] = field(default_factory=list)
-    """Each restart of a rollout worker whose process died, one line each."""
+    """Each restart of an engine or rollout worker whose process died, one line each."""
 
     @property
     def samples_per_s(self) -> float:
@@ -193,9 +195,9 @@ def _run(
         # connected to the trainer's weight store once it serves. Smoke preset here: 7.1 s from ray.init
         # to every actor started, 10.0 s when the engines started only once the trainer served.
         st.engines = engines = [
-            EngineActor.options(num_cpus=cfg.engine.threads, name=f"tandem-engine-{i}").remote(
-                cfg, seed=cfg.train.seed + i
-            )
+            EngineActor.options(
+                num_cpus=cfg.engine.threads, name=f"tandem-engine-{i}", max_restarts=o.engine_restarts
+            ).remote(cfg, seed=cfg.train.seed + i)
             for i in range(cfg.engine.num_engines)
         ]
         st.workers = workers = [
@@ -205,7 +207,7 @@ def _run(
             for i in range(cfg.rollout.num_workers)
         ]
         crew = RolloutCrew(workers, buffer, o.worker_restarts, o.request_timeout_s)
-        fleet = EngineFleet(engines, o.request_timeout_s)
+        fleet = EngineFleet(engines, o.request_timeout_s, o.engine_restarts)
         weights.connect(trainer, fleet, run_dir)
         # Wait until every actor has finished starting, so the clock below measures steady-state work.
         ray.get([e.stats.remote() for e in engines] + [w.get_errors.remote() for w in workers])
@@ -294,10 +296,11 @@ def _run(
             if cores is not None:
                 row["machine_busy_cores"] = cores
             row.update(sync_metrics, engines_alive=len(fleet.live()))
-            for line in [*fleet.lost, *weights.lost, *crew.lost, *crew.restarted]:
+            restarted = [*fleet.restarted, *crew.restarted]
+            for line in [*fleet.lost, *weights.lost, *crew.lost, *restarted]:
                 if line not in noted:
                     noted.add(line)
-                    progress.note(f"{'' if line in crew.restarted else 'lost '}{line}; the run goes on")
+                    progress.note(f"{'' if line in restarted else 'lost '}{line}; the run goes on")
             engine_last = engine_now
             logger.log(row)
             st.step = step
@@ -367,7 +370,7 @@ def _run(
         mismatch_pairs=[p for pairs in recent_pairs for p in pairs],
         machine_busy_cores=machine_cores,
         lost=[*fleet.lost, *weights.lost, *crew.lost],
-        restarted=list(crew.restarted),
+        restarted=[*fleet.restarted, *crew.restarted],
     )
     st.release()
     from tandem.orchestrator.report import write_report

@@ -22,6 +22,12 @@ Invariants:
 - An engine that dies is left out of every later sync (``EngineFleet``); the run stops only when none is
   left. The host leader is an optimisation (an engine leads any step it has not taken): when it dies it is
   told no further versions and the engines lead; the loss is kept in ``lost``.
+- A relay (``tandem-relay-<i>``) that dies is kept in ``lost`` once ("relay i died (...); its engines
+  fetch from the store server", which they then do: it is second in each engine's list). Each relay has one
+  call pending that never returns while it lives (``RelayActor.until_dead``); every collection of a step's
+  sync looks at those calls with ``ray.wait`` without waiting (no time taken from a step), and ``finish``
+  pings the relays still watched (at most ``RELAY_PING_S``), so a relay dead before the end of the run is
+  reported, by ``ray.kill`` or with its process killed.
 - A host share is named after the driver's host and pid (``tandem-share-<host>-<pid>-<id>``); ``finish``
   and the run's teardown remove it, and a run that starts a share removes the shares on its host whose
   driver is gone (killed with SIGKILL or by the OOM killer, it could not): nothing else would, and a share
@@ -39,12 +45,15 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from tandem.core.config import RunConfig
 from tandem.core.procs import pid_alive
 from tandem.orchestrator.actors import HostLeaderActor, RelayActor
 from tandem.orchestrator.fleet import EngineFleet
+
+RELAY_PING_S = 2.0
+"""How long ``finish`` waits for the relays still watched to answer a ping (a hung one is not waited on)."""
 
 
 class WeightPath:
@@ -60,12 +69,17 @@ class WeightPath:
                 # The run's own store restarts with the run (a resume republishes its version as a snapshot).
                 shutil.rmtree(self.store)
         self.relays: list[Any] = []
+        self._relay_watch: dict[int, Any] = {}  # relay index -> its pending ``until_dead`` call
         self.share_dir: str | None = None
         self.leader: Any = None  # the host's HostLeaderActor, if any
         self.leader_alive = False
         self.lost: list[str] = []
-        """What this path lost on the way and went on without (the host leader), one line each."""
+        """What this path lost on the way and went on without (the host leader, relays), one line each."""
         self.fleet: EngineFleet | None = None
+        self.version: int | None = None
+        """The newest version the engines were told to serve (None before ``start``)."""
+        self._trainer: Any = None
+        self._urls: list[list[str]] = []
         self._leading: list[Any] = []
         self._pending: list[tuple[int, Any]] = []
         self.last: dict[str, float] = {}
@@ -79,23 +93,42 @@ class WeightPath:
         host leader; returns once every engine is connected (so once each has started). Nothing to do on
         the object-store path."""
         self.fleet = fleet
+        self._trainer = trainer
+        fleet.rejoin = self.rejoin
         engines = fleet.engines
         if not self.delta:
             return
         urls = self._engine_urls(trainer, len(engines), run_dir)
         share = self._engine_share(len(engines))
         self._start_leader(urls[0])
+        self._urls = urls
         ray.get([e.connect_weights.remote(u, share) for e, u in zip(engines, urls, strict=True)])
+
+    def rejoin(self, i: int, engine: Any) -> None:
+        """Bring engine ``i``, a process Ray restarted after a crash, to the run's version and let it serve
+        (``EngineFleet``): on the delta path connect it to the store (its relay first, its host's share) and
+        sync it to the newest published version (its first sync is a full reload, from the host shadow or
+        the store); on the object-store path send it the trainer's full weights."""
+        if self.delta:
+            ray.get(engine.connect_weights.remote(self._urls[i], self.share_dir))
+            if self.version is not None:
+                ray.get(engine.follow.remote(self.version))
+        elif self.version is not None:
+            ray.get(engine.update_weights.remote(self._trainer.publish.remote()))
+        ray.get(engine.resume_serving.remote())
 
     def _engine_urls(self, trainer, n_engines: int, run_dir: Path) -> list[list[str]]:
         """Per engine, the URLs it fetches weights from: its relay (if any), then the store server."""
         upstream = ray.get(trainer.weights_url.remote())
         w = self.cfg.weights
         self.relays = [
-            RelayActor.remote([upstream], str(run_dir / "relay_cache" / f"relay{i}"), w.bandwidth_mbps)
+            RelayActor.options(name=f"tandem-relay-{i}").remote(
+                [upstream], str(run_dir / "relay_cache" / f"relay{i}"), w.bandwidth_mbps
+            )
             for i in range(w.relays)
         ]
         relay_urls = ray.get([r.url.remote() for r in self.relays])
+        self._relay_watch = {i: r.until_dead.remote() for i, r in enumerate(self.relays)}
         return [
             ([relay_urls[i % len(relay_urls)]] if relay_urls else []) + [upstream] for i in range(n_engines)
         ]
@@ -129,6 +162,7 @@ class WeightPath:
     def start(self, trainer, version: int) -> None:
         """Make every engine serve ``version`` as published before anything is generated."""
         assert self.fleet is not None, "connect first"
+        self.version = version
         if self.delta:
             self._publish(trainer)
             self._leading = self._lead(version)
@@ -142,10 +176,13 @@ class WeightPath:
         assert self.fleet is not None, "connect first"
         t0 = time.monotonic()
         if not self.delta:
+            self.version = version
             pauses = self.fleet.gather(self.fleet.call("update_weights", trainer.publish.remote()))
-            return {"weight_sync_s": time.monotonic() - t0, "engine_pause_s": max(pauses.values())}
+            pause = max(pauses.values(), default=0.0)  # none: the only engine was restarted and rejoined
+            return {"weight_sync_s": time.monotonic() - t0, "engine_pause_s": pause}
         out = self._collect()
         report = self._publish(trainer)
+        self.version = version
         self._leading = self._lead(version)
         self._pending = self.fleet.call("follow", version)
         if wait:
@@ -171,17 +208,21 @@ class WeightPath:
 
     def _collect(self) -> dict[str, float]:
         """Wait for the live engines' last fetch; metrics of the slowest engine (empty if nothing was
-        pending). A dead engine or host leader is left out from then on (see the module docstring)."""
+        pending). A dead engine or host leader is left out from then on, and a dead relay is reported (see
+        the module docstring)."""
+        self._check_relays()
         if not self._pending:
             return {}
         assert self.fleet is not None
-        results = list(self.fleet.gather(self._pending).values())
+        results = list(self.fleet.gather(self._pending).values())  # a restarted engine's is not there
         try:
             ray.get(self._leading)
         except ActorDiedError as e:
             self.leader_alive = False
             self.lost.append(f"the host leader died ({type(e).__name__}); the engines lead each step")
         self._pending, self._leading = [], []
+        if not results:  # the only engine was restarted and brought to the version by its rejoin
+            return {}
         return {
             "engine_pause_s": max(r["pause_s"] for r in results),
             "engine_fetch_s": max(r.get("fetch_s", 0.0) + r.get("decode_s", 0.0) for r in results),
@@ -190,11 +231,41 @@ class WeightPath:
             "weight_shared_frac": sum(r.get("shared_steps", 0) > 0 for r in results) / len(results),
         }
 
+    def _check_relays(self, ping_s: float = 0.0) -> None:
+        """Report each relay whose ``until_dead`` call ended (it died) in ``lost``, once. With ``ping_s``,
+        first give the relays still watched that long to answer a ping: a relay that died just now may not
+        have failed its pending call yet, and a ping to it fails as soon as Ray knows it is gone."""
+        if not self._relay_watch:
+            return
+        calls = dict(self._relay_watch)
+        if ping_s > 0:
+            pings = {i: self.relays[i].url.remote() for i in calls}
+            done, _ = ray.wait(
+                list(pings.values()), num_returns=len(pings), timeout=ping_s, fetch_local=False
+            )
+            calls.update({i: ref for i, ref in pings.items() if ref in done})
+        done, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=0, fetch_local=False)
+        for i, ref in calls.items():
+            if ref not in done:
+                continue
+            try:
+                ray.get(ref)
+            except ActorUnavailableError:  # unreachable for now, not dead: watch it again
+                self._relay_watch[i] = self.relays[i].until_dead.remote()
+            except RayActorError as e:
+                del self._relay_watch[i]
+                self.lost.append(
+                    f"relay {i} died ({type(e).__name__}); its engines fetch from the store server"
+                )
+            except Exception:  # not a death (the call never returns otherwise); watching never ends a run
+                del self._relay_watch[i]
+
     def finish(self, trainer) -> None:
         """Wait for in-flight fetches and close the store (releases its single-writer lock)."""
         if self.delta:
             try:
                 self._collect()
+                self._check_relays(ping_s=RELAY_PING_S)
             finally:
                 self.remove_share()
                 ray.get(trainer.close_store.remote())

@@ -93,6 +93,7 @@ def output_flood_bytes(cap: int) -> int:
     grader or tool needs this much, and draining it costs host CPU outside every sandbox limit."""
     return max(OUTPUT_FLOOD_MIN_BYTES, 64 * cap)
 
+
 _swept_tmp = False
 
 
