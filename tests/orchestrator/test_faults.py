@@ -285,6 +285,46 @@ def test_a_crashed_rollout_worker_is_restarted_and_a_dead_one_left_out(tmp_path)
 
 
 @pytest.mark.slow
+def test_a_hung_rollout_worker_is_killed_and_restarted(tmp_path):
+    """The only rollout worker is stopped (SIGSTOP) after step 1, holding the credits of its groups. Before,
+    the run waited out orchestrator.request_timeout_s and stopped ("no rollout group finished"). Now the
+    driver pings the workers while it waits for groups; the silent one is killed with its restart allowed,
+    its credits are reclaimed, and the run finishes on its new process."""
+    cfg = build_config(
+        "smoke",
+        None,
+        ["orchestrator.steps=3", "orchestrator.request_timeout_s=120", "eval.before_after=false"],
+    )
+    stopped: dict = {}
+
+    def stopper():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text():
+                worker = ray.get_actor("tandem-rollout-0")
+                stopped["pid"] = ray.get(worker.__ray_call__.remote(lambda _: os.getpid()))
+                os.kill(stopped["pid"], signal.SIGSTOP)
+                return
+            time.sleep(0.01)
+
+    threading.Thread(target=stopper, daemon=True).start()
+    try:
+        result = train(cfg, tmp_path, quiet=True)
+    finally:
+        if "pid" in stopped:  # never leave a stopped process behind, whatever happened
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped["pid"], signal.SIGKILL)
+        ray.shutdown()
+    assert "pid" in stopped
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and result.lost == []
+    assert len(result.restarted) == 1
+    assert result.restarted[0].startswith(
+        "rollout worker 0 died (hung: did not answer a ping within 10 s; killed; the credits of its"
+    )
+
+
+@pytest.mark.slow
 def test_an_engine_dying_in_the_final_evaluation_is_reported_with_what_was_saved(tmp_path):
     """Before, the run ended in a traceback (``RayTaskError(EvaluationError)``) that never said the final
     checkpoint and model were written, and the actors were left to Ray's shutdown. The engine dies as the

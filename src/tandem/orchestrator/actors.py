@@ -421,6 +421,11 @@ class RolloutActor:
     async def get_errors(self) -> list[str]:
         return list(self.errors)
 
+    async def ping(self) -> bool:
+        """Answers at once while the process runs (its sessions' blocking work runs on threads): the
+        driver kills and restarts a worker that does not (``RolloutCrew.check``)."""
+        return True
+
 
 @ray.remote(num_cpus=0)
 class RelayActor:

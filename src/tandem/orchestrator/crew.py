@@ -15,6 +15,9 @@ Invariants:
   produces and stops with an error naming the worker when none is left.
 - A worker whose ``produce`` returns without dying stopped on its own (every engine is dead) or was stopped:
   the run stops, naming it.
+- A hung worker (a stopped process, a deadlocked event loop) would hold its groups' credits for ever: while
+  the driver waits for groups, ``check`` pings every producing worker, and one that does not answer within
+  ``PING_S`` is killed with its restart allowed, so it goes the way of a crashed one (above).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 
 POLL_S = 0.2
 """How often a restarting worker is asked whether it answers again."""
+PING_S = 10.0
+"""How long a producing worker has to answer ``ping`` before it is taken as hung."""
 
 
 class RolloutCrew:
@@ -46,6 +51,8 @@ class RolloutCrew:
         """Workers the run went on without, one line each."""
         self.restarted: list[str] = []
         """Each restart of a worker whose process died, one line each."""
+        self._hung: set[int] = set()
+        """Workers killed by ``check`` whose ``produce`` has not ended yet."""
 
     def token(self, i: int) -> str:
         return f"{i}.{self.incarnation[i]}"
@@ -80,12 +87,33 @@ class RolloutCrew:
             i = next(j for j, r in self.producing.items() if r == ready[0])
             self._ended(i, self.producing.pop(i))
 
+    def check(self) -> bool:
+        """Ping every producing worker; kill those that do not answer within ``PING_S``, letting Ray restart
+        them (their ``produce`` then ends and ``take`` handles it). True when one was killed."""
+        pings = {i: self.workers[i].ping.remote() for i in self.producing if i not in self._hung}
+        if not pings:
+            return False
+        ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_S)
+        killed = False
+        for i, ref in pings.items():
+            if ref not in ready:
+                self._hung.add(i)
+                killed = True
+                try:
+                    ray.kill(self.workers[i], no_restart=False)
+                except Exception:  # noqa: BLE001, S110 - already gone: its produce ends either way
+                    pass
+        return killed
+
     def _ended(self, i: int, ref: Any) -> None:
         try:
             why = ray.get(ref)
         except RayActorError as e:
             reclaimed = ray.get(self.buffer.reclaim.remote(self.token(i)))
             cause = type(e).__name__
+            if i in self._hung:
+                self._hung.discard(i)
+                cause = f"hung: did not answer a ping within {PING_S:g} s; killed"
             if self._restart(i):
                 count = f"{self.incarnation[i]} of orchestrator.worker_restarts={self.restarts}"
                 self.restarted.append(

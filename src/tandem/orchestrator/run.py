@@ -256,9 +256,10 @@ def _run(
     noted: set[str] = set()
 
     def check_engines() -> None:
-        """While waiting for groups: remove hung engines (``EngineFleet.check``); the groups stuck on one
-        are requeued then, so ``take``'s idle clock restarts."""
-        if fleet.check():
+        """While waiting for groups: remove hung engines (``EngineFleet.check``) and kill hung rollout workers
+        for a restart (``RolloutCrew.check``); the groups stuck on either are requeued then, so ``take``'s
+        idle clock restarts."""
+        if fleet.check() | crew.check():
             ray.get(buffer.restart_idle_clock.remote())
 
     try:
