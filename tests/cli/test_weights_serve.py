@@ -31,6 +31,11 @@ def test_bad_input_names_the_value_and_exits_2(tmp_path):
         (["relay", "--upstream", "ftp://example"], "ftp://example"),
         (["relay", "--upstream", "http://127.0.0.1:99999"], "http://127.0.0.1:99999"),
         (["relay", "--upstream", "http://127.0.0.1:1", "--upstream-bandwidth-mbps", "-5"], "-5"),
+        (["serve", "--store", str(tmp_path), "--send-stall-s", "0"], "--send-stall-s must be > 0"),
+        (["serve", "--store", str(tmp_path), "--send-stall-s", "nan"], "--send-stall-s must be > 0"),
+        (["relay", "--upstream", "http://127.0.0.1:1", "--send-stall-s", "1e9"], "at most 604800"),
+        (["relay", "--upstream", "http://127.0.0.1:1", "--min-send-kib-s", "-1"], "--min-send-kib-s must be"),
+        (["serve", "--store", str(tmp_path), "--min-send-kib-s", "inf"], "--min-send-kib-s must be"),
     ]
     for args, needle in cases:
         result = runner.invoke(app, args)
@@ -44,7 +49,10 @@ def test_serve_prints_its_url_answers_and_stops_on_ctrl_c(tmp_path):
     store.close()
     # Started with SIGINT ignored, as a non-interactive shell starts a background job: Ctrl-C still stops it.
     proc = _start_serve(
-        tmp_path / "store", lambda: signal.signal(signal.SIGINT, signal.SIG_IGN), subprocess.PIPE
+        tmp_path / "store",
+        lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        subprocess.PIPE,
+        ["--send-stall-s", "7.5", "--min-send-kib-s", "2"],
     )
     try:
         line = proc.stdout.readline()
@@ -52,6 +60,9 @@ def test_serve_prints_its_url_answers_and_stops_on_ctrl_c(tmp_path):
         url = line.rsplit(" at ", 1)[1].strip()
         with urllib.request.urlopen(f"{url}/v1/weights/latest", timeout=10) as resp:
             assert json.loads(resp.read()) == {"version": 0}
+        with urllib.request.urlopen(f"{url}/v1/weights/stats", timeout=10) as resp:  # the options given
+            limits = json.loads(resp.read())["limits"]
+        assert limits["send_stall_s"] == 7.5 and limits["min_send_rate"] == 2 * 1024
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)  # drains both pipes: a full pipe must not block the exit
         assert proc.returncode == 0 and "stopping" in out, (proc.returncode, out[-500:], err[-2000:])
@@ -129,11 +140,12 @@ def test_ctrl_c_sent_the_moment_the_url_appears_still_stops_the_server(tmp_path)
                 proc.wait()
 
 
-def _start_serve(store_dir: Path, preexec, stderr=subprocess.DEVNULL) -> subprocess.Popen:
-    """`tandem weights serve --store STORE_DIR --port 0` in a child process that runs ``preexec`` first."""
+def _start_serve(store_dir: Path, preexec, stderr=subprocess.DEVNULL, extra=()) -> subprocess.Popen:
+    """`tandem weights serve --store STORE_DIR --port 0 EXTRA...` in a child process that runs ``preexec``
+    first."""
     code = "import typer; from tandem.cli.weights_serve import serve; typer.run(serve)"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    args = [sys.executable, "-c", code, "--store", str(store_dir), "--port", "0"]
+    args = [sys.executable, "-c", code, "--store", str(store_dir), "--port", "0", *extra]
     return subprocess.Popen(
         args, cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, preexec_fn=preexec
     )  # noqa: PLW1509 - test only

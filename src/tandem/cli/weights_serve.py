@@ -3,7 +3,7 @@
 Invariants: each command prints one line with the URL it serves on, then blocks until Ctrl-C (or SIGTERM) and
 closes its server; both signals are handled even when the process inherited SIGINT ignored. Bad input (store
 directory missing or not a store, relay cache directory that cannot be created or written, bad upstream
-URL, bad port or bandwidth (not > 0 and finite), address in use) prints one
+URL, bad port or bandwidth (not > 0 and finite), send bounds out of range, address in use) prints one
 ``error:`` line naming the value and exits with status 2.
 """
 
@@ -23,7 +23,25 @@ from tandem.weights.httpconn import parse_source
 from tandem.weights.ratelimit import mbps_to_bytes_per_s
 from tandem.weights.relay import Relay
 from tandem.weights.store import WeightStore
-from tandem.weights.transport import serve_store
+from tandem.weights.transport import DEFAULT_MIN_SEND_RATE, DEFAULT_SEND_STALL_S, serve_store
+
+MAX_SEND_STALL_S = 7 * 24 * 3600.0
+"""The longest ``--send-stall-s`` accepted (a week)."""
+SendStallOption = Annotated[
+    float,
+    typer.Option(
+        "--send-stall-s",
+        help="Drop a response whose client accepts no byte for this many seconds (slow or stuck readers).",
+    ),
+]
+MinSendRateOption = Annotated[
+    float,
+    typer.Option(
+        "--min-send-kib-s",
+        help="Drop a response whose client reads below this many KiB/s, after --send-stall-s of grace "
+        "(0: no floor).",
+    ),
+]
 
 
 def _fail(message: str) -> None:
@@ -42,6 +60,15 @@ def _bandwidth(option: str, mbps: float | None) -> float | None:
     if not (math.isfinite(mbps_to_bytes_per_s(mbps)) and mbps > 0):
         _fail(f"{option} must be > 0 and finite (Mbit/s), got {mbps}; omit it for no limit")
     return mbps_to_bytes_per_s(mbps)
+
+
+def _send_bounds(send_stall_s: float, min_send_kib_s: float) -> tuple[float, float]:
+    """The server's send bounds (``send_stall_s``, ``min_send_rate`` in bytes/s), checked."""
+    if not (math.isfinite(send_stall_s) and 0 < send_stall_s <= MAX_SEND_STALL_S):
+        _fail(f"--send-stall-s must be > 0 and at most {MAX_SEND_STALL_S:g} (a week), got {send_stall_s}")
+    if not (math.isfinite(min_send_kib_s) and min_send_kib_s >= 0):
+        _fail(f"--min-send-kib-s must be >= 0 and finite (0: no floor), got {min_send_kib_s}")
+    return send_stall_s, min_send_kib_s * 1024
 
 
 def _block_until_interrupted(server: Any, banner: str) -> None:
@@ -81,16 +108,19 @@ def serve(
     bandwidth_mbps: Annotated[
         float | None, typer.Option(help="Cap the server's total egress at this many Mbit/s (simulation).")
     ] = None,
+    send_stall_s: SendStallOption = DEFAULT_SEND_STALL_S,
+    min_send_kib_s: MinSendRateOption = DEFAULT_MIN_SEND_RATE / 1024,
 ) -> None:
     """Serve a weight store over HTTP: /v1/weights/latest, manifests/N, blobs/SHA256 (with Range)."""
     _check_port(port)
     _check_gc_switch()
     rate = _bandwidth("--bandwidth-mbps", bandwidth_mbps)
+    stall, floor = _send_bounds(send_stall_s, min_send_kib_s)
     if not store.is_dir():
         _fail(f"--store {str(store)!r} is not an existing directory; pass a weight store directory")
     try:
         opened = WeightStore.open(store)
-        server = serve_store(opened, host, port, rate)
+        server = serve_store(opened, host, port, rate, send_stall_s=stall, min_send_rate=floor)
     except NotAStoreError as e:
         _fail(f"--store {str(store)!r}: {e}")
         return
@@ -115,6 +145,8 @@ def relay(
     upstream_bandwidth_mbps: Annotated[
         float | None, typer.Option(help="Cap the relay's upstream link at this many Mbit/s (simulation).")
     ] = None,
+    send_stall_s: SendStallOption = DEFAULT_SEND_STALL_S,
+    min_send_kib_s: MinSendRateOption = DEFAULT_MIN_SEND_RATE / 1024,
 ) -> None:
     """Relay a weight server to local clients: fetch each blob once from upstream, cache it, serve many."""
     if not upstream:
@@ -127,10 +159,14 @@ def relay(
     _check_port(port)
     _check_gc_switch()
     rate = _bandwidth("--upstream-bandwidth-mbps", upstream_bandwidth_mbps)
+    stall, floor = _send_bounds(send_stall_s, min_send_kib_s)
     if cache_dir.exists() and not cache_dir.is_dir():
         _fail(f"--cache-dir {str(cache_dir)!r} exists and is not a directory")
     try:
-        server = Relay(upstream, cache_dir, host, port, upstream_bandwidth_bytes_per_s=rate)
+        server = Relay(
+            upstream, cache_dir, host, port, upstream_bandwidth_bytes_per_s=rate, send_stall_s=stall,
+            min_send_rate=floor,
+        )  # fmt: skip
     except WeightStoreError as e:
         _fail(f"--cache-dir: {e}")
         return

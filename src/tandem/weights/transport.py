@@ -7,7 +7,8 @@ Routes (GET and HEAD):
 - ``/v1/weights/blobs/{sha256}`` -> the blob's bytes; ``Range: bytes=a-b`` / ``a-`` / ``-n`` answers 206 with
   ``Content-Range``, a valid but unsatisfiable range 416; an invalid Range header (RFC 9110: bad syntax,
   non-ASCII digits, last < first) and multi-range requests get the whole blob (200)
-- ``/v1/weights/stats`` -> the server's counters (requests, blob GETs per key, bytes sent)
+- ``/v1/weights/stats`` -> the server's counters (requests, blob GETs per key, bytes sent) and, under
+  ``limits``, its connection cap and send bounds
 
 Invariants: a blob is sent only after its bytes were checked against its address (once per process per
 blob; a corrupt blob is answered 502 and never sent); a bad request gets an error status and a JSON
@@ -403,7 +404,7 @@ class _Handler(BaseHTTPRequestHandler):
             if path == f"{PREFIX}/latest":
                 self._send_json(200, {"version": owner.source.latest()}, head)
             elif path == f"{PREFIX}/stats":
-                self._send_json(200, owner.stats.snapshot(), head)
+                self._send_json(200, {**owner.stats.snapshot(), "limits": owner.limits()}, head)
             elif path.startswith(f"{PREFIX}/manifests/"):
                 self._manifest(path.rsplit("/", 1)[1], head)
             elif path.startswith(f"{PREFIX}/blobs/"):
@@ -566,6 +567,14 @@ class WeightServer:
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in str(self.host) else self.host
         return f"http://{host}:{self.port}"
+
+    def limits(self) -> dict[str, float]:
+        """The connection cap and send bounds this server enforces (module docstring)."""
+        return {
+            "max_connections": self.max_connections,
+            "send_stall_s": self.send_stall_s,
+            "min_send_rate": self.min_send_rate,
+        }
 
     def _admit(self, sock: socket.socket) -> bool:
         """Track a new connection, closing the longest-idle one (or else one stalled on its client) to stay
