@@ -239,6 +239,45 @@ def test_a_crashed_engine_is_restarted_at_the_runs_version_and_the_run_goes_on(t
 
 
 @pytest.mark.slow
+def test_an_engine_that_cannot_serve_is_restarted(tmp_path):
+    """The only engine's serving loop is stopped after step 1: its process answers, but every request gets
+    "engine stopped" (as a vLLM engine whose failed update could not be undone answers with its reason).
+    Before, every group failed until the run stopped ("the last 16 rollout groups all failed"). Now the
+    driver's ping sees ``ok: False``, kills the engine with its restart allowed and brings the new process to
+    the run's version, and the run finishes."""
+    cfg = build_config(
+        "smoke", None, ["orchestrator.steps=3", "eval.before_after=false", "train.checkpoint_every=0"]
+    )
+    broke: dict = {}
+
+    def breaker():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text():
+                engine = ray.get_actor("tandem-engine-0")
+                broke["ok_after"] = ray.get(engine.__ray_call__.remote(_stop_serving))
+                return
+            time.sleep(0.01)
+
+    threading.Thread(target=breaker, daemon=True).start()
+    try:
+        result = train(cfg, tmp_path, quiet=True)
+    finally:
+        ray.shutdown()
+    assert broke["ok_after"] is False
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and result.lost == []
+    assert len(result.restarted) == 1
+    assert result.restarted[0].startswith("engine 0 died (could not serve: its engine stopped; killed)")
+
+
+def _stop_serving(actor) -> bool:
+    """In an engine actor's process: stop its engine's serving loop; returns its health's ``ok`` after."""
+    actor.engine.stop()
+    return actor.engine.health()["ok"]
+
+
+@pytest.mark.slow
 def test_a_crashed_rollout_worker_is_restarted_and_a_dead_one_left_out(tmp_path):
     """Two rollout workers after step 1: worker 1's process is SIGKILLed (a crash: Ray restarts it) and
     worker 0 is killed for good. Before, either death stopped the run ("rollout worker N died"): the credits

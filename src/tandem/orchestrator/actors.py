@@ -125,9 +125,13 @@ class EngineActor:
 
     async def ping(self) -> dict[str, Any]:
         """Answers at once while the actor's process runs, whatever its other calls are waiting on (the
-        fleet tells a hung engine from one blocked behind it by this, and a restarted one by ``pid`` and
-        ``serving``)."""
-        return {"pid": os.getpid(), "serving": self.serving.is_set()}
+        fleet tells a hung engine from one blocked behind it by this, a restarted one by ``pid`` and
+        ``serving``, and one whose engine cannot serve any more by ``ok`` and ``error``)."""
+        health = self.engine.health()
+        return {
+            "pid": os.getpid(), "serving": self.serving.is_set(), "ok": bool(health.get("ok", True)),
+            "error": health.get("error", ""),
+        }  # fmt: skip
 
     async def stats(self) -> dict[str, Any]:
         out = {**self.engine.stats(), **self.engine.health(), "pid": os.getpid()}

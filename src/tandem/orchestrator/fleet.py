@@ -27,6 +27,10 @@ Invariants:
   it the full weights) and tell it to serve; until then its ``generate`` waits, so it never samples from the
   starting weights it loaded. The call that found it has no result for it. Each restart is kept in
   ``restarted``. Restarts used up, Ray answers ``ActorDiedError``: the engine is dead as above.
+- An engine whose process runs but whose engine cannot serve any more (``ping`` says ``ok: False``: its loop
+  was stopped, or a vLLM weight update failed and its old weights could not be restored) would answer every
+  request with an error until the run stopped on failed groups: it is killed with its restart allowed and
+  recovered as above (or lost, its restarts used up).
 - A dead engine's counters stay at their last reading, and a restarted one's new counters are added to its
   old process's last reading, so the run's totals never go backwards.
 - Every loss is kept in ``lost`` (one line per engine, saying why), for the progress line, the metrics row
@@ -152,6 +156,13 @@ class EngineFleet:
             else:
                 if self._is_new_process(i, answer):
                     removed |= not self._recover(i, "a new process answered")
+                elif answer.get("ok") is False:
+                    why = answer.get("error") or "its engine stopped"
+                    try:
+                        ray.kill(self.engines[i], no_restart=False)
+                    except Exception:  # noqa: BLE001, S110 - gone already: recovered or found dead below
+                        pass
+                    removed |= not self._recover(i, f"could not serve: {why}; killed", killed=answer["pid"])
         return removed
 
     def _is_new_process(self, i: int, answer: dict[str, Any]) -> bool:
@@ -178,17 +189,23 @@ class EngineFleet:
             return True
         return False
 
-    def _recover(self, i: int, cause: str) -> bool:
+    def _recover(self, i: int, cause: str, killed: int | None = None) -> bool:
         """Engine ``i``'s process died and Ray restarts it: wait until it answers, bring it to the run's
         version (``rejoin``) and let it serve. False when it will not come back (then it is dead or, not
-        answering within ``answer_within_s``, killed as hung)."""
+        answering within ``answer_within_s``, killed as hung). ``killed``: the pid of a process the fleet
+        just killed, whose answers until it is gone are not the restart's."""
         deadline = time.monotonic() + self.answer_within_s
         while True:
             try:
                 answer = ray.get(
                     self.engines[i].ping.remote(), timeout=max(deadline - time.monotonic(), 0.01)
                 )
-                break
+                if answer["pid"] != killed:
+                    break
+                if time.monotonic() >= deadline:  # the killed process still answers: never gone
+                    self._mark_hung(i)
+                    return False
+                time.sleep(RESTART_POLL_S)
             except (ActorUnavailableError, ray.exceptions.GetTimeoutError):
                 if time.monotonic() >= deadline:
                     self._mark_hung(i)
@@ -197,7 +214,7 @@ class EngineFleet:
             except ActorDiedError as e:
                 self._mark_dead(i, e)
                 return False
-        if answer["serving"] and answer["pid"] == self._pid[i]:
+        if answer["serving"] and answer["pid"] == self._pid[i] and killed is None:
             return True  # an older call of the dead process, failing late: this one is already back
         if self.rejoin is not None:
             try:
