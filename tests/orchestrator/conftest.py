@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -13,3 +16,20 @@ def tandem_debris() -> set[str]:
     with open("/proc/self/mountinfo") as f:
         found |= {f"mount {line.split()[4]}" for line in f if "tandem-" in line.split()[4]}
     return found
+
+
+def at_first_step(run_dir: Path, action: Callable[[], None], when: str = "metrics.jsonl") -> threading.Thread:
+    """A daemon thread that calls ``action`` once the run in ``run_dir`` has written ``when`` (by default,
+    once its first metrics row is written), polling every 10 ms for up to 300 s."""
+
+    def wait_then_act() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if (run_dir / when).exists() and (when != "metrics.jsonl" or (run_dir / when).read_text()):
+                action()
+                return
+            time.sleep(0.01)
+
+    t = threading.Thread(target=wait_then_act, daemon=True)
+    t.start()
+    return t

@@ -21,7 +21,7 @@ from tandem.core.errors import TandemError
 from tandem.orchestrator import train
 from tandem.weights.hostshare import default_share_root
 
-from .conftest import tandem_debris
+from .conftest import at_first_step, tandem_debris
 
 
 def _kill_after_first_step(
@@ -31,18 +31,11 @@ def _kill_after_first_step(
     first metrics row is written)."""
 
     def killer():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if (run_dir / when).exists() and (when != "metrics.jsonl" or (run_dir / when).read_text()):
-                for name in names:
-                    ray.kill(ray.get_actor(name))
-                killed["at"] = time.monotonic()
-                return
-            time.sleep(0.01)
+        for name in names:
+            ray.kill(ray.get_actor(name))
+        killed["at"] = time.monotonic()
 
-    t = threading.Thread(target=killer, daemon=True)
-    t.start()
-    return t
+    return at_first_step(run_dir, killer, when)
 
 
 @pytest.mark.slow
@@ -147,18 +140,13 @@ def test_a_hung_engine_is_killed_and_the_run_goes_on_without_it(tmp_path):
     stopped: dict = {}
 
     def stopper():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text():
-                engine = ray.get_actor("tandem-engine-1")
-                stopped["pid"] = ray.get(engine.__ray_call__.remote(lambda _: os.getpid()))
-                prefix = f"tandem-share-{socket.gethostname()}-{os.getpid()}-"
-                (share,) = default_share_root().glob(prefix + "*")
-                engine.__ray_call__.remote(_hold_lock_and_stop, str(share / "lock"))
-                return
-            time.sleep(0.01)
+        engine = ray.get_actor("tandem-engine-1")
+        stopped["pid"] = ray.get(engine.__ray_call__.remote(lambda _: os.getpid()))
+        prefix = f"tandem-share-{socket.gethostname()}-{os.getpid()}-"
+        (share,) = default_share_root().glob(prefix + "*")
+        engine.__ray_call__.remote(_hold_lock_and_stop, str(share / "lock"))
 
-    threading.Thread(target=stopper, daemon=True).start()
+    at_first_step(tmp_path, stopper)
     try:
         result = train(cfg, tmp_path, quiet=True)
     finally:
@@ -206,22 +194,19 @@ def test_a_crashed_engine_is_restarted_at_the_runs_version_and_the_run_goes_on(t
     seen: dict = {}
 
     def crasher():
+        engine = ray.get_actor("tandem-engine-0")
+        seen["old_pid"] = ray.get(engine.__ray_call__.remote(lambda _: os.getpid()))
+        os.kill(seen["old_pid"], signal.SIGKILL)
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text():
-                engine = ray.get_actor("tandem-engine-0")
-                seen["old_pid"] = ray.get(engine.__ray_call__.remote(lambda _: os.getpid()))
-                os.kill(seen["old_pid"], signal.SIGKILL)
-                while time.monotonic() < deadline:  # until the restarted process serves
-                    with contextlib.suppress(Exception):
-                        answer = ray.get(engine.ping.remote(), timeout=10)
-                        if answer["pid"] != seen["old_pid"] and answer["serving"]:
-                            seen["version"] = ray.get(engine.stats.remote(), timeout=10)["version"]
-                            return
-                    time.sleep(0.05)
-            time.sleep(0.01)
+        while time.monotonic() < deadline:  # until the restarted process serves
+            with contextlib.suppress(Exception):
+                answer = ray.get(engine.ping.remote(), timeout=10)
+                if answer["pid"] != seen["old_pid"] and answer["serving"]:
+                    seen["version"] = ray.get(engine.stats.remote(), timeout=10)["version"]
+                    return
+            time.sleep(0.05)
 
-    threading.Thread(target=crasher, daemon=True).start()
+    at_first_step(tmp_path, crasher)
     try:
         result = train(cfg, tmp_path, quiet=True)
     finally:
@@ -251,15 +236,10 @@ def test_an_engine_that_cannot_serve_is_restarted(tmp_path):
     broke: dict = {}
 
     def breaker():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text():
-                engine = ray.get_actor("tandem-engine-0")
-                broke["ok_after"] = ray.get(engine.__ray_call__.remote(_stop_serving))
-                return
-            time.sleep(0.01)
+        engine = ray.get_actor("tandem-engine-0")
+        broke["ok_after"] = ray.get(engine.__ray_call__.remote(_stop_serving))
 
-    threading.Thread(target=breaker, daemon=True).start()
+    at_first_step(tmp_path, breaker)
     try:
         result = train(cfg, tmp_path, quiet=True)
     finally:
@@ -293,17 +273,12 @@ def test_a_crashed_rollout_worker_is_restarted_and_a_dead_one_left_out(tmp_path)
     killed: dict = {}
 
     def killer():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text():
-                crashing = ray.get_actor("tandem-rollout-1")
-                os.kill(ray.get(crashing.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
-                ray.kill(ray.get_actor("tandem-rollout-0"))
-                killed["at"] = time.monotonic()
-                return
-            time.sleep(0.01)
+        crashing = ray.get_actor("tandem-rollout-1")
+        os.kill(ray.get(crashing.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
+        ray.kill(ray.get_actor("tandem-rollout-0"))
+        killed["at"] = time.monotonic()
 
-    threading.Thread(target=killer, daemon=True).start()
+    at_first_step(tmp_path, killer)
     try:
         result = train(cfg, tmp_path, quiet=True)
     finally:
@@ -337,16 +312,11 @@ def test_a_hung_rollout_worker_is_killed_and_restarted(tmp_path):
     stopped: dict = {}
 
     def stopper():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text():
-                worker = ray.get_actor("tandem-rollout-0")
-                stopped["pid"] = ray.get(worker.__ray_call__.remote(lambda _: os.getpid()))
-                os.kill(stopped["pid"], signal.SIGSTOP)
-                return
-            time.sleep(0.01)
+        worker = ray.get_actor("tandem-rollout-0")
+        stopped["pid"] = ray.get(worker.__ray_call__.remote(lambda _: os.getpid()))
+        os.kill(stopped["pid"], signal.SIGSTOP)
 
-    threading.Thread(target=stopper, daemon=True).start()
+    at_first_step(tmp_path, stopper)
     try:
         result = train(cfg, tmp_path, quiet=True)
     finally:

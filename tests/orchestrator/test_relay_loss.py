@@ -4,7 +4,6 @@ reported once, in ``RunResult.lost``, ``summary.json`` and ``report.md``."""
 import json
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -12,6 +11,8 @@ import ray
 
 from tandem.cli.main import build_config
 from tandem.orchestrator import train
+
+from .conftest import at_first_step
 
 
 @pytest.mark.slow
@@ -23,18 +24,13 @@ def test_a_dead_relay_is_reported_lost_and_the_run_goes_on(tmp_path):
     killed: dict = {}
 
     def killer():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if (tmp_path / "metrics.jsonl").exists() and (tmp_path / "metrics.jsonl").read_text():
-                relay0, relay1 = ray.get_actor("tandem-relay-0"), ray.get_actor("tandem-relay-1")
-                pid = ray.get(relay1.__ray_call__.remote(lambda _: os.getpid()))
-                ray.kill(relay0)
-                os.kill(pid, signal.SIGKILL)
-                killed["at"] = time.monotonic()
-                return
-            time.sleep(0.01)
+        relay0, relay1 = ray.get_actor("tandem-relay-0"), ray.get_actor("tandem-relay-1")
+        pid = ray.get(relay1.__ray_call__.remote(lambda _: os.getpid()))
+        ray.kill(relay0)
+        os.kill(pid, signal.SIGKILL)
+        killed["at"] = time.monotonic()
 
-    threading.Thread(target=killer, daemon=True).start()
+    at_first_step(tmp_path, killer)
     try:
         result = train(cfg, tmp_path, quiet=True)
     finally:
