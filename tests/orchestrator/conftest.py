@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import tempfile
 import threading
 import time
@@ -33,3 +36,26 @@ def at_first_step(run_dir: Path, action: Callable[[], None], when: str = "metric
     t = threading.Thread(target=wait_then_act, daemon=True)
     t.start()
     return t
+
+
+def actor_pid(name: str) -> int:
+    """The process id of the named Ray actor (asked inside the actor's process)."""
+    import ray
+
+    return ray.get(ray.get_actor(name).__ray_call__.remote(lambda _: os.getpid()))
+
+
+def train_then_release(cfg, run_dir: Path, stopped: dict):
+    """``train(cfg, run_dir)``; whatever happens, SIGKILL the process a test stopped (``stopped["pid"]``,
+    never left behind stopped) and shut Ray down."""
+    import ray
+
+    from tandem.orchestrator import train
+
+    try:
+        return train(cfg, run_dir, quiet=True)
+    finally:
+        if "pid" in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped["pid"], signal.SIGKILL)
+        ray.shutdown()

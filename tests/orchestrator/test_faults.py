@@ -21,7 +21,7 @@ from tandem.core.errors import TandemError
 from tandem.orchestrator import train
 from tandem.weights.hostshare import default_share_root
 
-from .conftest import at_first_step, tandem_debris
+from .conftest import actor_pid, at_first_step, tandem_debris, train_then_release
 
 
 def _kill_after_first_step(
@@ -141,19 +141,13 @@ def test_a_hung_engine_is_killed_and_the_run_goes_on_without_it(tmp_path):
 
     def stopper():
         engine = ray.get_actor("tandem-engine-1")
-        stopped["pid"] = ray.get(engine.__ray_call__.remote(lambda _: os.getpid()))
+        stopped["pid"] = actor_pid("tandem-engine-1")
         prefix = f"tandem-share-{socket.gethostname()}-{os.getpid()}-"
         (share,) = default_share_root().glob(prefix + "*")
         engine.__ray_call__.remote(_hold_lock_and_stop, str(share / "lock"))
 
     at_first_step(tmp_path, stopper)
-    try:
-        result = train(cfg, tmp_path, quiet=True)
-    finally:
-        if "pid" in stopped:  # never leave a stopped process behind, whatever happened
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped["pid"], signal.SIGKILL)
-        ray.shutdown()
+    result = train_then_release(cfg, tmp_path, stopped)
     assert "pid" in stopped
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["engines_alive"] == 1
@@ -195,7 +189,7 @@ def test_a_crashed_engine_is_restarted_at_the_runs_version_and_the_run_goes_on(t
 
     def crasher():
         engine = ray.get_actor("tandem-engine-0")
-        seen["old_pid"] = ray.get(engine.__ray_call__.remote(lambda _: os.getpid()))
+        seen["old_pid"] = actor_pid("tandem-engine-0")
         os.kill(seen["old_pid"], signal.SIGKILL)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:  # until the restarted process serves
@@ -273,8 +267,7 @@ def test_a_crashed_rollout_worker_is_restarted_and_a_dead_one_left_out(tmp_path)
     killed: dict = {}
 
     def killer():
-        crashing = ray.get_actor("tandem-rollout-1")
-        os.kill(ray.get(crashing.__ray_call__.remote(lambda _: os.getpid())), signal.SIGKILL)
+        os.kill(actor_pid("tandem-rollout-1"), signal.SIGKILL)
         ray.kill(ray.get_actor("tandem-rollout-0"))
         killed["at"] = time.monotonic()
 
@@ -312,18 +305,11 @@ def test_a_hung_rollout_worker_is_killed_and_restarted(tmp_path):
     stopped: dict = {}
 
     def stopper():
-        worker = ray.get_actor("tandem-rollout-0")
-        stopped["pid"] = ray.get(worker.__ray_call__.remote(lambda _: os.getpid()))
+        stopped["pid"] = actor_pid("tandem-rollout-0")
         os.kill(stopped["pid"], signal.SIGSTOP)
 
     at_first_step(tmp_path, stopper)
-    try:
-        result = train(cfg, tmp_path, quiet=True)
-    finally:
-        if "pid" in stopped:  # never leave a stopped process behind, whatever happened
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped["pid"], signal.SIGKILL)
-        ray.shutdown()
+    result = train_then_release(cfg, tmp_path, stopped)
     assert "pid" in stopped
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and result.lost == []

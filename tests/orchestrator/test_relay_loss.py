@@ -12,7 +12,7 @@ import ray
 from tandem.cli.main import build_config
 from tandem.orchestrator import train
 
-from .conftest import at_first_step
+from .conftest import actor_pid, at_first_step
 
 
 @pytest.mark.slow
@@ -24,9 +24,8 @@ def test_a_dead_relay_is_reported_lost_and_the_run_goes_on(tmp_path):
     killed: dict = {}
 
     def killer():
-        relay0, relay1 = ray.get_actor("tandem-relay-0"), ray.get_actor("tandem-relay-1")
-        pid = ray.get(relay1.__ray_call__.remote(lambda _: os.getpid()))
-        ray.kill(relay0)
+        pid = actor_pid("tandem-relay-1")
+        ray.kill(ray.get_actor("tandem-relay-0"))
         os.kill(pid, signal.SIGKILL)
         killed["at"] = time.monotonic()
 
