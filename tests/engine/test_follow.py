@@ -411,6 +411,8 @@ def test_a_serving_engine_lets_an_idle_one_produce_the_shared_patch(served, tmp_
     stop = threading.Event()
 
     def load() -> None:  # keep the busy engine's batch full and its queue non-empty
+        # Two of these run: between one's calls the other's requests are in the engine, so it never shows
+        # no session running (with one, a check in that gap saw an idle engine, which leads at once).
         params = SamplingParams(max_new_tokens=40, temperature=1.0)
         while not stop.is_set():
             busy.generate([GenerationRequest([1 + i, 2, 3], params) for i in range(4)])
@@ -421,8 +423,9 @@ def test_a_serving_engine_lets_an_idle_one_produce_the_shared_patch(served, tmp_
         for s in syncs:
             s.sync(0)
         busy.start()
-        loader = threading.Thread(target=load, daemon=True)
-        loader.start()
+        loaders = [threading.Thread(target=load, daemon=True) for _ in range(2)]
+        for loader in loaders:
+            loader.start()
         deadline = time.monotonic() + 30
         while not busy.health()["active"] and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -446,7 +449,8 @@ def test_a_serving_engine_lets_an_idle_one_produce_the_shared_patch(served, tmp_
         assert out["shared_steps"] == 0 and out["downloaded_bytes"] > 0
         assert syncs[0].stats["lead_yields"] == 1
         stop.set()
-        loader.join(timeout=60)
+        for loader in loaders:
+            loader.join(timeout=60)
         busy.stop()
         _assert_serves(busy, _bf16_state(trainer_model))
     finally:

@@ -988,6 +988,26 @@ def test_lone_surrogates_are_400_naming_the_path_before_anything_is_stored(http)
     assert http.get("/health").json()["sessions"] == sessions
 
 
+def test_a_server_serves_from_one_thread_however_it_is_started(stack):
+    """``with GatewayServer(app).start() as srv`` started a second thread on the same socket; ``stop`` joined
+    the second only, and the first, closing its event loop later, closed the socket's descriptor number again
+    after the next test's gateway had been given it: that gateway stopped listening between two requests
+    (``Connection refused``, in 2 of 4 fresh-clone CI runs)."""
+    engine, chat = stack
+    app = create_app(engine, chat, chat.tokenizer, GatewayConfig())
+
+    def serving() -> int:
+        return sum(t.name == "tandem-gateway" and t.is_alive() for t in threading.enumerate())
+
+    before = serving()
+    with GatewayServer(app).start() as srv:
+        assert serving() == before + 1
+        with pytest.raises(RuntimeError, match="already started"):
+            srv.start()
+        assert serving() == before + 1 and httpx.get(srv.url + "/health", timeout=30).status_code == 200
+    assert serving() == before  # stopped: no thread left to close a descriptor later
+
+
 def test_unexpected_error_is_500_and_the_connection_stays_open(stack):
     engine, chat = stack
     app = create_app(engine, chat, chat.tokenizer, GatewayConfig())

@@ -5,6 +5,10 @@ Invariants:
   raised to the caller (not a log line and ``sys.exit`` inside uvicorn), and port 0 yields the real port.
 - ``GatewayServer.start`` returns only once the server accepts connections; ``stop`` closes the server and
   joins its thread. Neither touches the engine.
+- One serving thread per ``GatewayServer``, ever: a second ``start`` is refused, and entering a ``with`` block
+  on a started server (``with GatewayServer(app).start() as srv``) does not start it again. Two threads had
+  served one socket; ``stop`` joined the second only, and the first, closing its loop later, closed the
+  socket's descriptor number again after the next server had been given it (that server stopped listening).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class GatewayServer:
         return f"http://{host}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> GatewayServer:
+        if self._thread is not None:
+            raise RuntimeError(f"the gateway server on {self.url} was already started; start it once")
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self.sock]}, name="tandem-gateway", daemon=True
         )
@@ -77,7 +83,7 @@ class GatewayServer:
         self.sock.close()
 
     def __enter__(self) -> GatewayServer:
-        return self.start()
+        return self if self._thread is not None else self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
