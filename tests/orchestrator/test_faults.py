@@ -267,16 +267,34 @@ def test_a_crashed_rollout_worker_is_restarted_and_a_dead_one_left_out(tmp_path)
     killed: dict = {}
 
     def killer():
+        metrics, deadline = tmp_path / "metrics.jsonl", time.monotonic() + 60
+        while len(metrics.read_text().splitlines()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # after step 2: the driver has heard the workers' cursors at step 2's batch
+        crashing = ray.get_actor("tandem-rollout-1")
+        killed["cursor"] = ray.get(crashing.ping.remote())
         os.kill(actor_pid("tandem-rollout-1"), signal.SIGKILL)
         ray.kill(ray.get_actor("tandem-rollout-0"))
         killed["at"] = time.monotonic()
+        seen = killed["after"] = []  # the restarted process's task-stream cursors, until it drew tasks
+        while time.monotonic() < killed["at"] + 60 and not any(c > killed["cursor"] for c in seen):
+            try:
+                seen.append(ray.get(crashing.ping.remote(), timeout=5))
+            except Exception:  # noqa: BLE001 - restarting, or the run is over
+                time.sleep(0.05)
+            time.sleep(0.01)
 
-    at_first_step(tmp_path, killer)
+    watcher = at_first_step(tmp_path, killer)
     try:
         result = train(cfg, tmp_path, quiet=True)
+        watcher.join(timeout=60)
     finally:
         ray.shutdown()
     assert "at" in killed
+    # Its stream went on from the cursor the driver had heard, not from the run's first tasks again (worker
+    # 1 draws train_start + 1, + 3, ...: from the start, its first task would show the cursor start + 2).
+    start = cfg.tasks.train_start
+    assert killed["cursor"] > start + 4 and any(c > killed["cursor"] for c in killed["after"]), killed
+    assert start + 2 not in killed["after"], killed
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and result.version == 4
     assert result.lost == ["rollout worker 0 died (ActorDiedError); not restarted"]

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tandem.core.config import RunConfig
+
 from .conftest import tandem_debris
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,6 +81,9 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
     ev = json.loads((run_dir / "eval_after.json").read_text())
     assert ev["n"] == 4 and 0.0 <= ev["pass@1"] <= 1.0
     assert (run_dir / "final_model" / "config.json").is_file()
+    state_file = run_dir / "checkpoints" / "step_000003" / "trainer_state.json"
+    saved_cursor = json.loads(state_file.read_text())["task_cursor"]  # past every task the workers drew
+    assert saved_cursor > RunConfig().tasks.train_start + 1
 
     # resume in sync mode with two engines: continue from the last checkpoint (step 3) to step 4, with zero
     # staleness; the host's leader process decodes the delta and both engines apply its patch from the share
@@ -110,6 +115,14 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
     # lead_yield_ms in vain and led the step itself (0.5): either way one decode for the host.
     assert rows[-1]["weight_shared_frac"] in (0.5, 1.0)
     assert set(Path("/dev/shm").glob("tandem-share-*")) == shares_before  # the run removed its share
+    # The resumed workers drew on from the saved cursor, not from the run's first tasks again.
+    state_file = run_dir / "checkpoints" / "step_000004" / "trainer_state.json"
+    assert json.loads(state_file.read_text())["task_cursor"] > saved_cursor
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**state, "task_cursor": -3}))
+    r = tandem("train", "--preset", "smoke", "--run-dir", str(run_dir), "--resume", "--set",
+               "orchestrator.steps=5")  # fmt: skip
+    assert r.returncode != 0 and "task_cursor=-3" in r.stderr, r.stderr[-2000:]
     # a finished run leaves no sandbox, layer cache or /etc copy behind (its actors release them first)
     assert tandem_debris() <= before
 

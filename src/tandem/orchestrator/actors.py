@@ -292,7 +292,10 @@ class BufferActor:
 class RolloutActor:
     """Produces groups for the buffer (training) and runs evaluations, against the engine actors."""
 
-    def __init__(self, cfg: RunConfig, engines: list, buffer, index: int = 0, num_workers: int = 1) -> None:
+    def __init__(
+        self, cfg: RunConfig, engines: list, buffer, index: int = 0, num_workers: int = 1,
+        task_cursor: int = 0,
+    ) -> None:  # fmt: skip
         # No torch here: the worker only tokenizes and runs sandboxes, and importing torch and transformers'
         # models was most of its start (5.3 s, now 1.4 s). One thread for anything that imports it later.
         os.environ["OMP_NUM_THREADS"] = "1"
@@ -305,7 +308,7 @@ class RolloutActor:
         self.dead = [False] * len(engines)
         self.unavailable_until = [0.0] * len(engines)  # monotonic time before which an engine is restarting
         self.buffer = buffer
-        self.stream = TaskStream(cfg, index, num_workers)
+        self.stream = TaskStream(cfg, index, num_workers, task_cursor)  # a resumed run goes on from there
         self.worker = RolloutWorker(
             self._generate, load_chat_format(cfg.model.path), cfg, seed=cfg.train.seed + index
         )
@@ -352,11 +355,13 @@ class RolloutActor:
             finally:
                 self.outstanding[i] -= 1
 
-    async def produce(self, producer: str = "") -> str | None:
+    async def produce(self, producer: str = "", task_cursor: int = 0) -> str | None:
         """Loop until stopped: take a credit, run a group, put it in the buffer. Returns why it stopped on
         its own (None when stopped, or when the buffer closed); the driver stops the run then. ``producer``
         names this call in the buffer's credit accounting (the driver reclaims its credits if this process
-        dies)."""
+        dies); ``task_cursor`` is where the task stream goes on (a restarted worker: the cursor it last
+        reported, see ``TaskStream``)."""
+        self.stream.skip_to(task_cursor)
         self.running = True
         limit = asyncio.Semaphore(self.cfg.rollout.groups_in_flight)
         while self.running:
@@ -425,10 +430,11 @@ class RolloutActor:
     async def get_errors(self) -> list[str]:
         return list(self.errors)
 
-    async def ping(self) -> bool:
+    async def ping(self) -> int:
         """Answers at once while the process runs (its sessions' blocking work runs on threads): the
-        driver kills and restarts a worker that does not (``RolloutCrew.check``)."""
-        return True
+        driver kills and restarts a worker that does not (``RolloutCrew.check``). The answer is the task
+        stream's cursor (``TaskStream.cursor``), which the driver keeps for a restart and a checkpoint."""
+        return self.stream.cursor
 
 
 @ray.remote(num_cpus=0)
@@ -542,8 +548,8 @@ class TrainerActor:
 
         return make_update(self.trainer.version, self.trainer.publish_state())
 
-    def save_checkpoint(self, path: str) -> None:
-        self.trainer.save_checkpoint(path)
+    def save_checkpoint(self, path: str, run_state: dict[str, Any] | None = None) -> None:
+        self.trainer.save_checkpoint(path, run_state)
 
     def export_model(self, path: str) -> None:
         self.trainer.export_model(path)

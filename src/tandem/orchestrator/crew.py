@@ -8,8 +8,11 @@ Invariants:
   flight reclaimed at once: they return to the pool instead of being lost, so the other workers (and the
   restarted one) fill the batch. Ray restarts the worker's process (``orchestrator.worker_restarts`` times
   per worker: the actor's ``max_restarts``); once it answers again a new ``produce`` starts on it under the
-  next incarnation, and the event is kept in ``restarted``. Its task stream starts over from its shard's
-  beginning.
+  next incarnation, and the event is kept in ``restarted``. Its task stream goes on from the cursor the
+  worker last reported (``take`` pings every worker once per batch, and ``check`` while it waits), not from
+  the run's start: only tasks drawn since then, whose groups were in flight and reclaimed, are drawn again.
+- ``task_cursor`` is the index past every task a worker reported drawing: a checkpoint saves it, and a
+  resumed run's workers go on from it.
 - A worker that is dead for good (its restarts used up, killed with ``ray.kill``, or not answering within
   ``restart_wait_s`` of its death) is left out and kept in ``lost``; the run goes on while another worker
   produces and stops with an error naming the worker when none is left.
@@ -38,7 +41,9 @@ PING_S = 10.0
 class RolloutCrew:
     """The rollout worker actors of one run (their order is their index, as in ``tandem-rollout-<i>``)."""
 
-    def __init__(self, workers: list, buffer: Any, restarts: int, restart_wait_s: float) -> None:
+    def __init__(
+        self, workers: list, buffer: Any, restarts: int, restart_wait_s: float, task_cursor: int = 0
+    ) -> None:
         self.workers = list(workers)
         self.buffer = buffer
         self.restarts = restarts
@@ -53,6 +58,10 @@ class RolloutCrew:
         """Each restart of a worker whose process died, one line each."""
         self._hung: set[int] = set()
         """Workers killed by ``check`` whose ``produce`` has not ended yet."""
+        self.cursors = [task_cursor] * len(workers)
+        """Each worker's task-stream cursor as it last reported it (``RolloutActor.ping``)."""
+        self._cursor_pings: dict[int, Any] = {}
+        """Pings sent by ``take`` and not collected yet, by worker."""
 
     def token(self, i: int) -> str:
         return f"{i}.{self.incarnation[i]}"
@@ -76,6 +85,7 @@ class RolloutCrew:
         raises ``RuntimeError`` naming the worker when the run must stop. ``on_wait`` is called each
         ``every_s`` the batch is not there yet (the engine fleet's health check)."""
         ref = self.buffer.take.remote(n, version, max_staleness, timeout_s)
+        self._poll_cursors()
         while True:
             ready, _ = ray.wait([ref, *self.producing.values()], num_returns=1, timeout=every_s)
             if not ready:
@@ -83,6 +93,7 @@ class RolloutCrew:
                     on_wait()
                 continue
             if ref in ready:
+                self._poll_cursors()  # the pings sent above have answered by now (they never wait)
                 return ray.get(ref)
             i = next(j for j, r in self.producing.items() if r == ready[0])
             self._ended(i, self.producing.pop(i))
@@ -96,7 +107,9 @@ class RolloutCrew:
         ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_S)
         killed = False
         for i, ref in pings.items():
-            if ref not in ready:
+            if ref in ready:
+                self._note_cursor(i, ref)
+            else:
                 self._hung.add(i)
                 killed = True
                 try:
@@ -104,6 +117,33 @@ class RolloutCrew:
                 except Exception:  # noqa: BLE001, S110 - already gone: its produce ends either way
                     pass
         return killed
+
+    def task_cursor(self, timeout_s: float = PING_S) -> int:
+        """The index past every task the workers drew, as far as they answer within ``timeout_s`` (one that
+        does not counts with the cursor it last reported)."""
+        pings = {i: self.workers[i].ping.remote() for i in self.producing if i not in self._hung}
+        ready = ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout_s)[0] if pings else []
+        for i, ref in pings.items():
+            if ref in ready:
+                self._note_cursor(i, ref)
+        return max(self.cursors, default=0)
+
+    def _poll_cursors(self) -> None:
+        """Keep the cursors the workers answered since the last call, and ask the others again; never
+        waits (one ping per worker and batch)."""
+        for i, ref in list(self._cursor_pings.items()):
+            if ray.wait([ref], timeout=0)[0]:
+                del self._cursor_pings[i]
+                self._note_cursor(i, ref)
+        for i in self.producing:
+            if i not in self._cursor_pings and i not in self._hung:
+                self._cursor_pings[i] = self.workers[i].ping.remote()
+
+    def _note_cursor(self, i: int, ref: Any) -> None:
+        try:
+            self.cursors[i] = max(self.cursors[i], int(ray.get(ref)))
+        except Exception:  # noqa: BLE001, S110 - it died right after answering: its last cursor stands
+            pass
 
     def _ended(self, i: int, ref: Any) -> None:
         try:
@@ -146,5 +186,5 @@ class RolloutCrew:
             except RayActorError:  # dead for good
                 return False
         self.incarnation[i] += 1
-        self.producing[i] = worker.produce.remote(self.token(i))
+        self.producing[i] = worker.produce.remote(self.token(i), self.cursors[i])
         return True

@@ -105,7 +105,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
     from tandem.train.checkpoint import latest_checkpoint, read_state, verify_files
 
     cfg, changed = check_run_dir(cfg, run_dir, resume)  # a new run never mixes with an old one
-    resume_dir = None
+    resume_dir, task_cursor = None, 0
     if resume:
         ckpt = latest_checkpoint(run_dir)
         if ckpt is None:
@@ -124,6 +124,12 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
         state = read_state(ckpt)
         verify_files(ckpt, state)  # here, naming the file, not in an actor's traceback after Ray started
         done = int(state["version"])
+        task_cursor = state.get("task_cursor", 0)
+        if not isinstance(task_cursor, int) or isinstance(task_cursor, bool) or task_cursor < 0:
+            raise TandemError(
+                f"--resume: {ckpt}/trainer_state.json has task_cursor={task_cursor!r}, not an index >= 0; "
+                "remove the field to draw tasks from tasks.train_start again"
+            )
         if done >= cfg.orchestrator.steps:
             raise TandemError(
                 f"--resume: the run's latest checkpoint is at step {done} and orchestrator.steps="
@@ -135,6 +141,7 @@ def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = Fal
     (run_dir / "config.toml").write_text(dump_config(cfg))
     init_ray(cfg)
     st = _RunState(run_dir)
+    st.task_cursor = task_cursor
     with stop_on_signals() as stop:
         try:
             return _run(cfg, run_dir, resume, resume_dir, changed, engine_reason, quiet, st)
@@ -165,6 +172,14 @@ class _RunState:
     """The step of the newest checkpoint on disk (the resumed one, a periodic one or the final one)."""
     finished: bool = False
     """The training loop is over and its final checkpoint and model are written."""
+    crew: RolloutCrew | None = None
+    task_cursor: int = 0
+    """Where the workers' task streams start: 0, or a resumed checkpoint's ``task_cursor``."""
+
+    def run_state(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        """What a checkpoint keeps for the run that resumes from it (``Trainer.save_checkpoint``)."""
+        cursor = self.crew.task_cursor(timeout_s) if self.crew is not None else self.task_cursor
+        return {"task_cursor": max(cursor, self.task_cursor)}
 
     def actors(self) -> list:
         extra = self.weights.actors() if self.weights is not None else []
@@ -202,11 +217,11 @@ def _run(
         ]
         st.workers = workers = [
             RolloutActor.options(name=f"tandem-rollout-{i}", max_restarts=o.worker_restarts).remote(
-                cfg, engines, buffer, i, cfg.rollout.num_workers
+                cfg, engines, buffer, i, cfg.rollout.num_workers, st.task_cursor
             )
             for i in range(cfg.rollout.num_workers)
         ]
-        crew = RolloutCrew(workers, buffer, o.worker_restarts, o.request_timeout_s)
+        st.crew = crew = RolloutCrew(workers, buffer, o.worker_restarts, o.request_timeout_s, st.task_cursor)
         fleet = EngineFleet(engines, o.request_timeout_s, o.engine_restarts)
         weights.connect(trainer, fleet, run_dir)
         # Wait until every actor has finished starting, so the clock below measures steady-state work.
@@ -308,7 +323,7 @@ def _run(
             history.append(row)
             progress.update(row)
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0:
-                ray.get(trainer.save_checkpoint.remote(str(_checkpoint_dir(run_dir, step))))
+                ray.get(trainer.save_checkpoint.remote(str(_checkpoint_dir(run_dir, step)), st.run_state()))
                 st.saved_step = step
     except Exception as e:
         raise_if_stopping(e)  # a stop signal's exception, mangled by C code
@@ -337,7 +352,7 @@ def _run(
     errors = _collect_errors(crew.live())
     if errors:
         (run_dir / "rollout_errors.log").write_text("\n".join(errors))
-    ray.get(trainer.save_checkpoint.remote(str(_checkpoint_dir(run_dir, step))))
+    ray.get(trainer.save_checkpoint.remote(str(_checkpoint_dir(run_dir, step)), st.run_state()))
     st.saved_step = step
     ray.get(trainer.export_model.remote(str(run_dir / "final_model")))
     st.finished = True
@@ -402,7 +417,8 @@ def _stop(st: _RunState, signum: int) -> None:
             version = ray.get(st.trainer.version.remote(), timeout=STOP_WAIT_S)
             if version > 0 and version != st.saved_step:
                 path = str(_checkpoint_dir(st.run_dir, version))
-                ray.get(st.trainer.save_checkpoint.remote(path), timeout=STOP_WAIT_S)
+                run_state = st.run_state(timeout_s=min(STOP_WAIT_S, 5.0))
+                ray.get(st.trainer.save_checkpoint.remote(path, run_state), timeout=STOP_WAIT_S)
                 st.saved_step = version
         except Exception as e:  # noqa: BLE001 - said in the message; an older checkpoint stays usable
             failed = f"saving a checkpoint failed ({type(e).__name__}: {e}); "

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
 from tandem.core.config import RunConfig
@@ -30,13 +29,30 @@ class TaskStream:
     Requeued tasks (from failed groups) are served before new ones; a task whose groups failed
     ``MAX_TASK_ATTEMPTS`` times is dropped instead (its failure is deterministic, e.g. a prompt longer
     than the engine's context, and requeueing it forever would starve the stream).
+
+    Worker ``i`` of ``n`` draws the indices ``train_start + i + k * n``, from the first of them at or past
+    ``cursor`` on. ``cursor`` (the index past the last new task drawn) is where the stream goes on: a resumed
+    run starts its workers at the cursor its checkpoint saved, and a restarted worker its own stream at the
+    cursor it last reported (``skip_to``), so neither trains on the tasks from the start again. Indices
+    below a cursor that no worker drew are skipped, never drawn twice.
     """
 
-    def __init__(self, cfg: RunConfig, worker_index: int = 0, num_workers: int = 1) -> None:
+    def __init__(self, cfg: RunConfig, worker_index: int = 0, num_workers: int = 1, cursor: int = 0) -> None:
         self._cfg = cfg
-        self._indices: Iterator[int] = itertools.count(cfg.tasks.train_start + worker_index, num_workers)
+        self._first = cfg.tasks.train_start + worker_index
+        self._stride = num_workers
+        self._next = self._first
+        self.cursor = cfg.tasks.train_start
+        """The index past the last new task this stream drew (where it goes on; see the class docstring)."""
         self._requeued: list[Task] = []
         self._failures: dict[str, int] = {}  # task id -> failed groups so far
+        self.skip_to(cursor)
+
+    def skip_to(self, cursor: int) -> None:
+        """Go on from the first of this stream's indices at or past ``cursor`` (never back)."""
+        if cursor > self._next:
+            self._next += -(-(cursor - self._next) // self._stride) * self._stride
+        self.cursor = max(self.cursor, cursor)
 
     def requeue(self, task: Task) -> bool:
         """Serve ``task`` again next; False (and not requeued) once it has failed ``MAX_TASK_ATTEMPTS``
@@ -52,7 +68,9 @@ class TaskStream:
 
         if self._requeued:
             return self._requeued.pop(0)
-        return apply_limits(task_at(self._cfg.tasks, "train", next(self._indices)), self._cfg)
+        index, self._next = self._next, self._next + self._stride
+        self.cursor = max(self.cursor, index + 1)
+        return apply_limits(task_at(self._cfg.tasks, "train", index), self._cfg)
 
     def __iter__(self) -> TaskStream:
         return self

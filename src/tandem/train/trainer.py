@@ -426,8 +426,10 @@ class Trainer:
             self._write_model_dir(tmp)
         return Path(path)
 
-    def save_checkpoint(self, path: str | Path) -> Path:
-        """Atomically write a resumable checkpoint that is also a loadable HF model directory."""
+    def save_checkpoint(self, path: str | Path, run_state: dict[str, Any] | None = None) -> Path:
+        """Atomically write a resumable checkpoint that is also a loadable HF model directory. ``run_state``
+        (JSON values, e.g. the run's ``task_cursor``) is kept in ``trainer_state.json`` beside the trainer's
+        own state, for the run that resumes from it."""
         with atomic_dir(path) as tmp:
             self._write_model_dir(tmp)
             torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
@@ -443,6 +445,7 @@ class Trainer:
                     "base_model": str(self.model_path),
                     "publish_dtype": self.publish_dtype,
                     "config": self.config.model_dump(mode="json"),
+                    **(run_state or {}),
                 },
             )
         return Path(path)
