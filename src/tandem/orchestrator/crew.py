@@ -101,7 +101,7 @@ class RolloutCrew:
     def check(self) -> bool:
         """Ping every producing worker; kill those that do not answer within ``PING_S``, letting Ray restart
         them (their ``produce`` then ends and ``take`` handles it). True when one was killed."""
-        pings = {i: self.workers[i].ping.remote() for i in self.producing if i not in self._hung}
+        pings = self._ping_producing()
         if not pings:
             return False
         ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_S)
@@ -121,12 +121,16 @@ class RolloutCrew:
     def task_cursor(self, timeout_s: float = PING_S) -> int:
         """The index past every task the workers drew, as far as they answer within ``timeout_s`` (one that
         does not counts with the cursor it last reported)."""
-        pings = {i: self.workers[i].ping.remote() for i in self.producing if i not in self._hung}
+        pings = self._ping_producing()
         ready = ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout_s)[0] if pings else []
         for i, ref in pings.items():
             if ref in ready:
                 self._note_cursor(i, ref)
         return max(self.cursors, default=0)
+
+    def _ping_producing(self) -> dict[int, Any]:
+        """A ``ping`` to every producing worker not already killed as hung, by index."""
+        return {i: self.workers[i].ping.remote() for i in self.producing if i not in self._hung}
 
     def _poll_cursors(self) -> None:
         """Keep the cursors the workers answered since the last call, and ask the others again; never
