@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -282,6 +283,34 @@ def test_clamp_to_cache_and_stop_token():
         assert s.finish_reason == "stop" and s.token_ids == c.token_ids[: k + 1]
     finally:
         eng.stop()
+
+
+def test_a_request_that_arrives_while_the_engine_stops_is_refused_and_the_stop_ends():
+    """A request submitted while ``stop`` waits for the loop to finish its iteration is refused; it once
+    started the loop again, so the engine served on and ``stop`` never returned (found by the fault test of
+    an engine that cannot serve)."""
+    eng = BuiltinEngine(qwen3(), EngineConfig(max_batch=8, max_seq_len=256))
+    in_iteration, release = threading.Event(), threading.Event()
+
+    def hold(_ids: list[int]) -> None:  # called from the loop thread, mid-iteration
+        in_iteration.set()
+        release.wait(60)
+
+    first = eng.submit(req([1, 2, 3], n=50), on_tokens=hold)
+    assert in_iteration.wait(60)
+    stopper = threading.Thread(target=eng.stop, daemon=True)
+    stopper.start()
+    deadline = time.monotonic() + 60
+    while eng._running and time.monotonic() < deadline:  # stop has begun: it now waits for the loop
+        time.sleep(0.001)
+    late = eng.submit(req([4, 5], n=5))
+    release.set()
+    stopper.join(60)
+    assert not stopper.is_alive(), "stop never returned: the late request restarted the loop"
+    assert late.result(timeout=5).error.startswith("engine stopped")
+    assert first.result(timeout=5).error == "engine stopped"
+    assert not [t for t in threading.enumerate() if t.name == "tandem-engine"]
+    assert eng.health()["ok"] is False
 
 
 def test_stop_fails_pending_and_from_path(tmp_path):

@@ -223,9 +223,20 @@ def test_an_engine_that_cannot_serve_is_restarted(tmp_path):
     "engine stopped" (as a vLLM engine whose failed update could not be undone answers with its reason).
     Before, every group failed until the run stopped ("the last 16 rollout groups all failed"). Now the
     driver's ping sees ``ok: False``, kills the engine with its restart allowed and brings the new process to
-    the run's version, and the run finishes."""
+    the run's version, and the run finishes.
+
+    The run is synchronous, so steps 2 and 3 need groups started after the stop: in async mode groups made
+    ahead could finish the run without a wait, so without a ping. (CI once saw ``restarted == []`` here; the
+    cause was the engine's: a request that came while ``stop`` waited for the loop started the loop again.)"""
     cfg = build_config(
-        "smoke", None, ["orchestrator.steps=3", "eval.before_after=false", "train.checkpoint_every=0"]
+        "smoke",
+        None,
+        [
+            "orchestrator.steps=3",
+            "orchestrator.mode=sync",
+            "eval.before_after=false",
+            "train.checkpoint_every=0",
+        ],
     )
     broke: dict = {}
 

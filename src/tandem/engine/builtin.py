@@ -215,22 +215,20 @@ class BuiltinEngine(RequestFront):
         return self._version
 
     def stop(self) -> None:
+        """Stop the loop and answer every queued and active request with "engine stopped". The engine is
+        stopped from the first moment: a ``submit`` while the loop winds down is refused, never a reason to
+        start the loop again (it once did: a request arriving during the join restarted the loop, so the
+        engine served on and ``stop`` waited forever)."""
         with self._cv:
-            if not self._running:
-                self._stopped = True
-                pending, self._queue = list(self._queue), collections.deque()
-            else:
-                self._running = False
-                self._cv.notify_all()
-                pending = []
+            self._running = False
+            self._stopped = True
+            self._cv.notify_all()
             thread = self._thread
         if thread is not None:
             thread.join()
         with self._cv:
-            self._stopped = True
             self._thread = None
-            pending += list(self._queue)
-            self._queue.clear()
+            pending, self._queue = list(self._queue), collections.deque()
             sessions, self._active = self._active, []
             updates, self._updates = self._updates, []
         with self._work:
