@@ -293,9 +293,12 @@ class RolloutActor:
     """Produces groups for the buffer (training) and runs evaluations, against the engine actors."""
 
     def __init__(
-        self, cfg: RunConfig, engines: list, buffer, index: int = 0, num_workers: int = 1,
+        self, cfg: RunConfig, engine_names: list[str], buffer_name: str, index: int = 0, num_workers: int = 1,
         task_cursor: int = 0,
     ) -> None:  # fmt: skip
+        """The engines and the buffer come as actor names, looked up here (also on a restart): actor handles
+        among the arguments of an actor Ray may restart made Ray print an alarming error line in every run
+        ("has constructor arguments in the object store and max_restarts > 0", ray-project/ray#53727)."""
         # No torch here: the worker only tokenizes and runs sandboxes, and importing torch and transformers'
         # models was most of its start (5.3 s, now 1.4 s). One thread for anything that imports it later.
         os.environ["OMP_NUM_THREADS"] = "1"
@@ -303,7 +306,8 @@ class RolloutActor:
         from tandem.rollout import RolloutWorker, TaskStream
 
         self.cfg = cfg
-        self.engines = engines
+        self.engines = engines = [ray.get_actor(name) for name in engine_names]
+        buffer = ray.get_actor(buffer_name)
         self.outstanding = [0] * len(engines)
         self.dead = [False] * len(engines)
         self.unavailable_until = [0.0] * len(engines)  # monotonic time before which an engine is restarting

@@ -46,6 +46,8 @@ from tandem.orchestrator.weightpath import WeightPath
 STOP_WAIT_S = 30.0
 """How long stopping waits for each of: the workers to stop, the stop's checkpoint, the workers to exit."""
 MISMATCH_STEPS = 3
+BUFFER_NAME = "tandem-buffer"
+"""The buffer actor's name; rollout workers look it (and the engines, ``tandem-engine-N``) up by name."""
 """Steps whose (p_sampler, p_trainer) pairs the run keeps for the report (at most 2000 pairs each)."""
 
 
@@ -204,20 +206,21 @@ def _run(
     st.trainer = trainer = TrainerActor.options(num_cpus=cfg.train.threads).remote(
         cfg, cfg.model.path, resume_dir, weights.trainer_store()
     )
-    st.buffer = buffer = BufferActor.remote(o.buffer_max_groups)
+    st.buffer = buffer = BufferActor.options(name=BUFFER_NAME).remote(o.buffer_max_groups)
     try:
         # Every actor starts at once (each start is mostly imports and model loading); the engines are
         # connected to the trainer's weight store once it serves. Smoke preset here: 7.1 s from ray.init
         # to every actor started, 10.0 s when the engines started only once the trainer served.
+        engine_names = [f"tandem-engine-{i}" for i in range(cfg.engine.num_engines)]
         st.engines = engines = [
             EngineActor.options(
-                num_cpus=cfg.engine.threads, name=f"tandem-engine-{i}", max_restarts=o.engine_restarts
+                num_cpus=cfg.engine.threads, name=name, max_restarts=o.engine_restarts
             ).remote(cfg, seed=cfg.train.seed + i)
-            for i in range(cfg.engine.num_engines)
+            for i, name in enumerate(engine_names)
         ]
         st.workers = workers = [
             RolloutActor.options(name=f"tandem-rollout-{i}", max_restarts=o.worker_restarts).remote(
-                cfg, engines, buffer, i, cfg.rollout.num_workers, st.task_cursor
+                cfg, engine_names, BUFFER_NAME, i, cfg.rollout.num_workers, st.task_cursor
             )
             for i in range(cfg.rollout.num_workers)
         ]
