@@ -46,9 +46,9 @@ from tandem.orchestrator.weightpath import WeightPath
 STOP_WAIT_S = 30.0
 """How long stopping waits for each of: the workers to stop, the stop's checkpoint, the workers to exit."""
 MISMATCH_STEPS = 3
+"""Steps whose (p_sampler, p_trainer) pairs the run keeps for the report (at most 2000 pairs each)."""
 BUFFER_NAME = "tandem-buffer"
 """The buffer actor's name; rollout workers look it (and the engines, ``tandem-engine-N``) up by name."""
-"""Steps whose (p_sampler, p_trainer) pairs the run keeps for the report (at most 2000 pairs each)."""
 
 
 @dataclass
