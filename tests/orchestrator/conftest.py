@@ -1,15 +1,116 @@
-"""Helpers shared by the run tests."""
+"""Helpers shared by the run tests.
+
+``joined_ray``: most run tests join one Ray cluster started once for the test session
+(``ray start --head --block`` on 127.0.0.1) through ``RAY_ADDRESS``, as a user's runs join a cluster,
+instead of each starting a local one: that start costs about 6 s of a 2-core machine per run. Each run is a
+Ray job of its own (its driver connects and disconnects), so Ray ends a run's actors when its driver leaves
+and no run sees another's named actors. The runs that test a local cluster's start and end (the smoke run,
+the stop tests) start their own as before.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
+
+SHARED_CLUSTER_CPUS = 8
+"""Logical CPUs of the shared cluster: enough for the largest run a test starts (two engines of the smoke
+preset and its trainer); Ray places actors by these counts, it does not pin cores."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory) -> Iterator[str]:
+    """The address of a Ray cluster started for the session; killed (its whole session) at the end.
+
+    Token authentication is off (``RAY_AUTH_MODE=disabled``), for the cluster and for every driver that
+    joins it: the cluster serves this machine's tests only. A process that started a local cluster has
+    token authentication on for good (``ray.init`` also sets ``RAY_AUTH_MODE=token`` in its environment),
+    so the tests start local clusters in child processes."""
+    import ray
+
+    port = _free_port()
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    log = tmp_path_factory.mktemp("ray-cluster") / "ray-start.log"
+    cmd = [
+        str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+        f"--port={port}", f"--num-cpus={SHARED_CLUSTER_CPUS}", "--include-dashboard=false",
+        "--disable-usage-stats",
+    ]  # fmt: skip
+    with open(log, "wb") as out:
+        head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # until the cluster takes a driver (its GCS and raylet are up)
+            if head.poll() is not None:
+                raise RuntimeError(f"ray start exited with {head.returncode}: {log.read_text()[-3000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"ray start: no GCS within 120 s: {log.read_text()[-3000:]}") from e
+                time.sleep(0.2)
+        ray.init(address=address)  # returns once the head node is registered
+        ray.shutdown()
+        yield address
+    finally:
+        _kill_session(head.pid)
+        head.wait()
+        # `ray start` wrote its address here for a bare ray.init() to join; killed, it cannot remove it
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        with contextlib.suppress(FileNotFoundError):
+            if current.read_text().strip().endswith(f":{port}"):
+                current.unlink()
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid``: the cluster's GCS, raylet and agents and the workers the
+    raylet started (each in a process group of its own, all in the head's session). A graceful ``ray stop``
+    took 34 s here; the cluster keeps nothing a later start needs."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if os.getsid(int(entry.name)) == sid:
+                    os.kill(int(entry.name), signal.SIGKILL)
+
+
+@pytest.fixture
+def joined_ray(ray_cluster, monkeypatch) -> Iterator[str]:
+    """``RAY_ADDRESS`` names the session's cluster for this test (its in-process runs and the ``tandem``
+    commands it starts join it); this process's driver is disconnected at the end."""
+    import ray
+
+    if os.environ.get("RAY_AUTH_MODE", "disabled") != "disabled":
+        pytest.fail(
+            f"RAY_AUTH_MODE={os.environ['RAY_AUTH_MODE']} in the test process: a local Ray cluster started "
+            "in it (ray.init sets that) or the environment turned on token authentication, and this process "
+            "can no longer join the session's cluster; start local clusters in a child process"
+        )
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # for the `tandem` commands the test starts too
+    try:
+        yield ray_cluster
+    finally:
+        ray.shutdown()
 
 
 def tandem_debris() -> set[str]:

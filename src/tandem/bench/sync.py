@@ -236,7 +236,8 @@ def run_sync_bench(
         model_path = _model_dir(size, model_path, root)
         versions = _versions(model_path, warmup_deltas + deltas, lr, warmup)
         if not ray.is_initialized():
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            # "local": the benchmark's own processes, never a cluster RAY_ADDRESS or `ray start` names
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         eng = [_BenchEngine.remote(model_path) for _ in range(engines)]
         actors += eng
         # The trainer side (publisher, store servers) runs in this thread and the threads it starts, at the

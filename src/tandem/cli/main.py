@@ -122,7 +122,13 @@ def train(
             "(--set changes it; every change is printed before the run starts)."
         ),
     ] = False,
-    ray_address: Annotated[str | None, typer.Option(help="Join this Ray cluster.")] = None,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            help="Join the Ray cluster at this address (host:port of its head) instead of starting a local "
+            "one; without it, RAY_ADDRESS in the environment names the cluster to join, as for Ray tools."
+        ),
+    ] = None,
 ) -> None:
     """Run RL training (async by default) and write metrics, checkpoints and report.md to --run-dir."""
     from tandem.cli.checks import writable_dir_problem
@@ -144,10 +150,12 @@ def train(
         overrides.append(f'orchestrator.ray_address="{ray_address}"')
     cfg = build_config(preset, config, overrides)
     check_model_path(cfg.model.path)
-    if not cfg.orchestrator.ray_address:  # a local cluster: the engines run on this machine
-        check_engine_memory(cfg, cfg.model.path, cfg.engine.num_engines)
     from tandem.core.stopping import StoppedError
     from tandem.orchestrator import train as run_train
+    from tandem.orchestrator.run import cluster_address
+
+    if not cluster_address(cfg):  # a local cluster: the engines run on this machine
+        check_engine_memory(cfg, cfg.model.path, cfg.engine.num_engines)
 
     try:
         result = run_train(cfg, run_dir, resume=resume)

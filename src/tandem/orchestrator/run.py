@@ -89,16 +89,68 @@ def heldout_tasks(cfg: RunConfig):
     return [apply_limits(t, cfg) for t in tasks_for(cfg.tasks, "heldout", cfg.tasks.heldout_size)]
 
 
+def cluster_address(cfg: RunConfig) -> str | None:
+    """The Ray cluster a run joins: ``orchestrator.ray_address``, else the ``RAY_ADDRESS`` environment
+    variable (Ray's own convention), else none (the run starts a local cluster of its own)."""
+    import os
+
+    return cfg.orchestrator.ray_address or os.environ.get("RAY_ADDRESS") or None
+
+
+def _check_reachable(address: str, source: str, timeout_s: float = 10.0) -> None:
+    """Refuse a ``host:port`` address whose port takes no connection within ``timeout_s``: ``ray.init``
+    waits for such a cluster for over 10 minutes. Other forms (``auto``, ``ray://...``) are left to Ray."""
+    import re
+    import socket
+
+    match = re.fullmatch(r"\[?([\w.\-:]+?)\]?:(\d+)", address)
+    if match is None:
+        return
+    try:
+        with socket.create_connection((match[1], int(match[2])), timeout=timeout_s):
+            return
+    except OSError as e:
+        raise TandemError(
+            f"no Ray cluster answers at {address!r} ({source}): {e}. Pass the address `ray status` prints on "
+            "the cluster's head node, or unset it to start a local cluster"
+        ) from e
+
+
 def init_ray(cfg: RunConfig) -> None:
+    """Start a local Ray cluster sized for the run's actors, or join the one ``cluster_address`` names.
+
+    A joined cluster must have the CPUs the run's actors ask for (``train.threads`` plus ``engine.threads``
+    per engine), or the actors would wait for ever to be placed: the run refuses it, naming the numbers."""
+    import os
+
     if ray.is_initialized():
         return
-    if cfg.orchestrator.ray_address:
-        ray.init(address=cfg.orchestrator.ray_address, log_to_driver=True)
-    else:
-        import os
-
-        needed = cfg.train.threads + cfg.engine.threads * cfg.engine.num_engines
-        ray.init(num_cpus=max(os.cpu_count() or 1, needed), include_dashboard=False, log_to_driver=True)
+    needed = cfg.train.threads + cfg.engine.threads * cfg.engine.num_engines
+    address = cluster_address(cfg)
+    if not address:
+        # "local": a cluster of the run's own, even where `ray start` left /tmp/ray/ray_current_cluster,
+        # which a bare ray.init() would join (and then refuse num_cpus)
+        cpus = max(os.cpu_count() or 1, needed)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+        return
+    source = "orchestrator.ray_address" if cfg.orchestrator.ray_address else "RAY_ADDRESS in the environment"
+    _check_reachable(address, source)
+    try:
+        ray.init(address=address, log_to_driver=True)
+    except (ConnectionError, ValueError) as e:
+        raise TandemError(
+            f"could not join the Ray cluster at {address!r} ({source}): {e}. Check the address (`ray status` "
+            "on the cluster prints it); a cluster started with token authentication (Ray's default for "
+            "`ray start` from 2.59) also needs RAY_AUTH_MODE=token here; unset it to start a local cluster"
+        ) from e
+    cpus = ray.cluster_resources().get("CPU", 0)
+    if cpus < needed:
+        ray.shutdown()
+        raise TandemError(
+            f"the Ray cluster at {address!r} ({source}) has {cpus:g} CPUs and this run's actors ask for "
+            f"{needed} (train.threads={cfg.train.threads} + engine.threads={cfg.engine.threads} x "
+            f"engine.num_engines={cfg.engine.num_engines}); lower those or add nodes to the cluster"
+        )
 
 
 def train(cfg: RunConfig, run_dir: Path, resume: bool = False, quiet: bool = False) -> RunResult:
