@@ -11,8 +11,8 @@ from tandem.orchestrator.actors import BufferActor
 
 
 @pytest.fixture(scope="module")
-def buffer():
-    ray.init(num_cpus=1, include_dashboard=False)
+def buffer(ray_cluster):
+    ray.init(address=ray_cluster)
     try:
         yield BufferActor.remote(64)
     finally:

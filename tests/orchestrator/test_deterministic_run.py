@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["dense", "moe"])
-def test_deterministic_run_has_zero_mismatch(tmp_path, model):
+def test_deterministic_run_has_zero_mismatch(tmp_path, model, joined_ray):
     run_dir = tmp_path / "run"
     sets = [] if model == "dense" else [f"model.path={_moe_dir(tmp_path)}"]
     sets += [

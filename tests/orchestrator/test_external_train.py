@@ -13,7 +13,7 @@ HARNESS = REPO / "examples" / "openai_harness.py"
 
 
 @pytest.mark.slow
-def test_train_a_few_steps_with_the_example_harness(tmp_path):
+def test_train_a_few_steps_with_the_example_harness(tmp_path, joined_ray):
     run_dir = tmp_path / "run"
     r = subprocess.run(
         [

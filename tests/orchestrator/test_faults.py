@@ -39,7 +39,7 @@ def _kill_after_first_step(
 
 
 @pytest.mark.slow
-def test_killing_the_only_engine_ends_the_run_with_an_error(tmp_path):
+def test_killing_the_only_engine_ends_the_run_with_an_error(tmp_path, joined_ray):
     cfg = build_config(
         "smoke",
         None,
@@ -70,7 +70,7 @@ def test_killing_the_only_engine_ends_the_run_with_an_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_goes_on_without_a_dead_engine_and_its_host_leader(tmp_path):
+def test_a_run_goes_on_without_a_dead_engine_and_its_host_leader(tmp_path, joined_ray):
     """Two engines and a host leader; one engine and the leader die after step 1. Before, the driver's next
     call to either (a weight sync, the engines' stats) ended the run, although the rollout workers route
     around a dead engine and the engines lead each step the leader does not take. The host share a
@@ -117,7 +117,7 @@ def _hold_lock_and_stop(actor, lock_path: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_hung_engine_is_killed_and_the_run_goes_on_without_it(tmp_path):
+def test_a_hung_engine_is_killed_and_the_run_goes_on_without_it(tmp_path, joined_ray):
     """One of two engines is stopped (SIGSTOP: alive to Ray, answering nothing) after step 1, holding the
     host share's lock, which the other engine needs to lead the next step. Before, the driver's next weight
     sync or stats call to it waited for ever; then, with a deadline, the other engine, blocked on the lock,
@@ -155,7 +155,7 @@ def test_a_hung_engine_is_killed_and_the_run_goes_on_without_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_dead_rollout_worker_stops_the_run_at_once_naming_it(tmp_path):
+def test_a_dead_rollout_worker_stops_the_run_at_once_naming_it(tmp_path, joined_ray):
     """Before, ``take`` waited out orchestrator.request_timeout_s for groups the dead worker held credits
     for, then blamed "engines or rollout workers"."""
     cfg = build_config(
@@ -176,18 +176,35 @@ def test_a_dead_rollout_worker_stops_the_run_at_once_naming_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_crashed_engine_is_restarted_at_the_runs_version_and_the_run_goes_on(tmp_path):
-    """The only engine's process is SIGKILLed after step 1 (a crash: Ray restarts it). Before, the run
-    ended ("every engine died"; the actor was not restartable). Now the fleet waits for the new process,
-    brings it to the run's newest version through the weight store and only then lets it serve (it loaded
-    the starting weights, version 0); the requests the dead process was serving are sent again, and the run
-    finishes every step on it."""
+def test_a_crashed_engine_and_then_a_hung_rollout_worker_are_restarted_and_the_run_goes_on(
+    tmp_path, joined_ray
+):
+    """Two faults, one after the other, in one run (each run costs about 20 s of start-up here):
+
+    1. The only engine's process is SIGKILLed after step 1 (a crash: Ray restarts it). Before, the run ended
+       ("every engine died"; the actor was not restartable). Now the fleet waits for the new process, brings
+       it to the run's newest version through the weight store and only then lets it serve (it loaded the
+       starting weights, version 0); the requests the dead process was serving are sent again.
+    2. Once the new engine serves, the only rollout worker is stopped (SIGSTOP), holding the credits of its
+       groups. Before, the run waited out orchestrator.request_timeout_s and stopped ("no rollout group
+       finished"). Now the driver pings the workers while it waits for groups; the silent one is killed with
+       its restart allowed, its credits are reclaimed, and the run finishes on its new process.
+
+    The run is synchronous, so the steps after the stop need groups the stopped worker has not made."""
     cfg = build_config(
-        "smoke", None, ["orchestrator.steps=4", "eval.before_after=false", "train.checkpoint_every=0"]
+        "smoke",
+        None,
+        [
+            "orchestrator.steps=4",
+            "orchestrator.mode=sync",
+            "orchestrator.request_timeout_s=120",
+            "eval.before_after=false",
+            "train.checkpoint_every=0",
+        ],
     )
     seen: dict = {}
 
-    def crasher():
+    def crash_then_hang():
         engine = ray.get_actor("tandem-engine-0")
         seen["old_pid"] = actor_pid("tandem-engine-0")
         os.kill(seen["old_pid"], signal.SIGKILL)
@@ -197,28 +214,35 @@ def test_a_crashed_engine_is_restarted_at_the_runs_version_and_the_run_goes_on(t
                 answer = ray.get(engine.ping.remote(), timeout=10)
                 if answer["pid"] != seen["old_pid"] and answer["serving"]:
                     seen["version"] = ray.get(engine.stats.remote(), timeout=10)["version"]
-                    return
+                    break
             time.sleep(0.05)
+        else:
+            return
+        seen["steps_before_hang"] = len((tmp_path / "metrics.jsonl").read_text().splitlines())
+        seen["pid"] = actor_pid("tandem-rollout-0")
+        os.kill(seen["pid"], signal.SIGSTOP)
 
-    at_first_step(tmp_path, crasher)
-    try:
-        result = train(cfg, tmp_path, quiet=True)
-    finally:
-        ray.shutdown()
-    assert "old_pid" in seen
+    watcher = at_first_step(tmp_path, crash_then_hang)
+    result = train_then_release(cfg, tmp_path, seen)
+    watcher.join(timeout=10)
+    assert "old_pid" in seen and "pid" in seen, seen
+    assert seen["version"] >= 1  # it served the run's weights from the start, not the starting ones
+    assert seen["steps_before_hang"] < 4, seen  # the worker hung while the run still needed its groups
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["engines_alive"] == 1 for r in rows)
     assert result.lost == []
-    assert len(result.restarted) == 1 and result.restarted[0].startswith("engine 0 died (")
-    assert result.restarted[0].endswith("restarted and brought to the run's version (1 of "
-                                        "orchestrator.engine_restarts=3)")  # fmt: skip
-    assert seen["version"] >= 1  # it served the run's weights from the start, not the starting ones
+    engine, worker = result.restarted
+    assert engine.startswith("engine 0 died (")
+    assert engine.endswith("restarted and brought to the run's version (1 of orchestrator.engine_restarts=3)")
+    assert worker.startswith(
+        "rollout worker 0 died (hung: did not answer a ping within 10 s; killed; the credits of its"
+    )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["restarted"] == result.restarted
 
 
 @pytest.mark.slow
-def test_an_engine_that_cannot_serve_is_restarted(tmp_path):
+def test_an_engine_that_cannot_serve_is_restarted(tmp_path, joined_ray):
     """The only engine's serving loop is stopped after step 1: its process answers, but every request gets
     "engine stopped" (as a vLLM engine whose failed update could not be undone answers with its reason).
     Before, every group failed until the run stopped ("the last 16 rollout groups all failed"). Now the
@@ -267,7 +291,7 @@ def _stop_serving(actor) -> bool:
 
 
 @pytest.mark.slow
-def test_a_crashed_rollout_worker_is_restarted_and_a_dead_one_left_out(tmp_path):
+def test_a_crashed_rollout_worker_is_restarted_and_a_dead_one_left_out(tmp_path, joined_ray):
     """Two rollout workers after step 1: worker 1's process is SIGKILLed (a crash: Ray restarts it) and
     worker 0 is killed for good. Before, either death stopped the run ("rollout worker N died"): the credits
     of the dead worker's groups in flight never came back. Now the credits are reclaimed, worker 1 is
@@ -325,35 +349,7 @@ def test_a_crashed_rollout_worker_is_restarted_and_a_dead_one_left_out(tmp_path)
 
 
 @pytest.mark.slow
-def test_a_hung_rollout_worker_is_killed_and_restarted(tmp_path):
-    """The only rollout worker is stopped (SIGSTOP) after step 1, holding the credits of its groups. Before,
-    the run waited out orchestrator.request_timeout_s and stopped ("no rollout group finished"). Now the
-    driver pings the workers while it waits for groups; the silent one is killed with its restart allowed,
-    its credits are reclaimed, and the run finishes on its new process."""
-    cfg = build_config(
-        "smoke",
-        None,
-        ["orchestrator.steps=3", "orchestrator.request_timeout_s=120", "eval.before_after=false"],
-    )
-    stopped: dict = {}
-
-    def stopper():
-        stopped["pid"] = actor_pid("tandem-rollout-0")
-        os.kill(stopped["pid"], signal.SIGSTOP)
-
-    at_first_step(tmp_path, stopper)
-    result = train_then_release(cfg, tmp_path, stopped)
-    assert "pid" in stopped
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3] and result.lost == []
-    assert len(result.restarted) == 1
-    assert result.restarted[0].startswith(
-        "rollout worker 0 died (hung: did not answer a ping within 10 s; killed; the credits of its"
-    )
-
-
-@pytest.mark.slow
-def test_an_engine_dying_in_the_final_evaluation_is_reported_with_what_was_saved(tmp_path):
+def test_an_engine_dying_in_the_final_evaluation_is_reported_with_what_was_saved(tmp_path, joined_ray):
     """Before, the run ended in a traceback (``RayTaskError(EvaluationError)``) that never said the final
     checkpoint and model were written, and the actors were left to Ray's shutdown. The engine dies as the
     final checkpoint appears (with checkpoint_every=0, the only one), before the evaluation can finish a
@@ -374,7 +370,7 @@ def test_an_engine_dying_in_the_final_evaluation_is_reported_with_what_was_saved
 
 
 @pytest.mark.slow
-def test_a_context_too_short_for_every_prompt_stops_the_run_fast_naming_it(tmp_path):
+def test_a_context_too_short_for_every_prompt_stops_the_run_fast_naming_it(tmp_path, joined_ray):
     """Every session fails in the engine (its prompt does not fit engine.max_seq_len): the starting
     evaluation raises with the engine's reason instead of reporting pass@1 = 0, and without it the run
     stops after FAIL_FAST_GROUPS failed groups instead of waiting orchestrator.request_timeout_s."""
@@ -397,7 +393,7 @@ def test_a_context_too_short_for_every_prompt_stops_the_run_fast_naming_it(tmp_p
 
 
 @pytest.mark.slow
-def test_a_harness_that_fails_every_rollout_stops_the_run_naming_its_output(tmp_path):
+def test_a_harness_that_fails_every_rollout_stops_the_run_naming_its_output(tmp_path, joined_ray):
     """Before, every rollout failed (harness_failed_frac 1.0), the run trained on nothing and exited 0."""
     cfg = build_config(
         "smoke",

@@ -24,13 +24,13 @@ def _hold_lock_and_stop(actor, lock_path: str) -> None:
 
 
 @pytest.mark.slow
-def test_an_engine_blocked_by_a_stopped_one_is_not_killed_with_it(tmp_path):
+def test_an_engine_blocked_by_a_stopped_one_is_not_killed_with_it(tmp_path, joined_ray):
     """Engine 1 stops holding the share's lock; engine 0's sync needs the lock to lead the version, so both
     miss the deadline. Before, both were killed as hung and the run ended ("every engine died"). Now the
     late engines are pinged: engine 1 does not answer and is killed, which frees the lock, and engine 0,
     which answered, gets another period and finishes its sync."""
     cfg = build_config("smoke", None, ["engine.num_engines=2"])
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address=joined_ray)
     stopped: dict = {}
     try:
         trainer = TrainerActor.remote(cfg, cfg.model.path, None, str(tmp_path / "weights"))

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_train_moe_with_router_replay(tmp_path):
+def test_train_moe_with_router_replay(tmp_path, joined_ray):
     model = write_model_dir(tmp_path / "moe", "moe", tokenizer_dir=REPO / "models" / "tandem-base")
     run_dir = tmp_path / "run"
     sets = [

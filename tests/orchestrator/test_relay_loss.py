@@ -16,7 +16,7 @@ from .conftest import actor_pid, at_first_step
 
 
 @pytest.mark.slow
-def test_a_dead_relay_is_reported_lost_and_the_run_goes_on(tmp_path):
+def test_a_dead_relay_is_reported_lost_and_the_run_goes_on(tmp_path, joined_ray):
     """Two relays; after step 1 relay 0 is ``ray.kill``ed and relay 1's process SIGKILLed. Before, the run
     finished with ``lost == []``: only the host leader was watched, so a run that had lost its relays looked
     like one that had not."""

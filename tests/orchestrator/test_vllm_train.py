@@ -19,7 +19,7 @@ def _rendezvous_files() -> set[Path]:
 
 
 @pytest.mark.slow
-def test_train_a_few_steps_on_the_vllm_engine(tmp_path):
+def test_train_a_few_steps_on_the_vllm_engine(tmp_path, joined_ray):
     run_dir = tmp_path / "run"
     before = _rendezvous_files()
     args = ["--preset", "smoke", "--run-dir", str(run_dir), "--set", "engine.kind=vllm"]
