@@ -60,9 +60,10 @@ def test_measure_off_never_measures():
 
 
 @pytest.mark.skipif(vllm_available() is not None, reason="the test command installs the vllm extra")
-def test_the_shipped_model_is_measured_once_then_read_from_the_cache(cache):
-    assert cached_rates(SHIPPED, threads=1, max_batch=8) is None
-    first = measured_rates(SHIPPED, threads=1, max_batch=8)
+def test_the_shipped_model_is_measured_once_then_read_from_the_cache(shipped_measurement, monkeypatch):
+    cache_dir, first = shipped_measurement  # measured in an empty cache directory (tests/engine/conftest.py)
+    monkeypatch.setenv("TANDEM_CACHE_DIR", str(cache_dir))
+    cache = cache_dir / calibrate.CACHE_FILE
     assert first["cached"] is False and first["builtin"] > 0 and first["vllm"] > 0
     stored = json.loads(cache.read_text())
     (entry,) = stored.values()

@@ -25,7 +25,8 @@ from tandem.model import build_model, num_params, qwen3_config
 from tandem.model.load import checkpoint_parameters
 from tandem.model.moe import write_model_dir
 
-SHIPPED = "models/tandem-base"
+from .conftest import MEASURED_MAX_BATCH, MEASURED_THREADS, SHIPPED
+
 SHIPPED_PARAMS = 5_771_264  # `tandem bench engine`'s model_params for the shipped shape
 
 
@@ -124,22 +125,30 @@ def rendezvous_files() -> set[Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("engine", "small", "says"),
-    [
-        ("auto", True, "(engine builtin: auto: decodes faster on this machine: built-in "),
-        ("vllm", False, "(engine vllm: engine.kind='vllm' (set explicitly))"),
-    ],
-)
-def test_serve_runs_the_engine_it_names_and_answers(tmp_path, engine, small, says):
+@pytest.mark.parametrize("engine", ["auto", "vllm"])
+def test_serve_runs_the_engine_it_names_and_answers(tmp_path, engine, request):
     """...and SIGTERM ends it with exit 143 after closing the engine. uvicorn re-raises the SIGTERM it caught
     after shutting down; with the default action that killed the process before the engine was closed,
-    leaving vLLM's rendezvous file (``vllm_dist_*``) in the temp dir for good."""
-    model = write_model_dir(tmp_path, "smoke", tokenizer_dir=SHIPPED) if small else SHIPPED  # 336,320 params
+    leaving vLLM's rendezvous file (``vllm_dist_*``) in the temp dir for good.
+
+    ``auto`` serves with the engine the session's measurement of the shipped model found faster
+    (``shipped_measurement``), read from its cache as on a machine that measured it before."""
     rendezvous = rendezvous_files()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TANDEM_CACHE_DIR": str(tmp_path / "cache")}
+    if engine == "auto":
+        cache_dir, rates = request.getfixturevalue("shipped_measurement")
+        env["TANDEM_CACHE_DIR"] = str(cache_dir)
+        serves = "vllm" if rates["vllm"] > rates["builtin"] else "builtin"
+        # read for the threads and batch it serves with (before, serve measured at 1 thread and batch 64)
+        says = (
+            f"(engine {serves}: auto: decodes faster on this machine: built-in {rates['builtin']:.0f} "
+            f"tokens/s, vLLM {rates['vllm']:.0f} (cached; {MEASURED_THREADS} threads"
+        )
+    else:
+        serves, says = "vllm", "(engine vllm: engine.kind='vllm' (set explicitly))"
     cmd = [sys.executable, "-m", "tandem.cli.main", "serve", "--engine", engine, "--port", "0"]
-    cmd += ["--model", str(model), "--max-seq-len", "256", "--max-batch", "4", "--threads", "1"]
+    cmd += ["--model", SHIPPED, "--max-seq-len", "256", "--max-batch", str(MEASURED_MAX_BATCH)]
+    cmd += ["--threads", str(MEASURED_THREADS)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     killer = threading.Timer(300, proc.kill)  # a server that never prints its address ends the loop below
     killer.start()
@@ -163,7 +172,7 @@ def test_serve_runs_the_engine_it_names_and_answers(tmp_path, engine, small, say
         r = httpx.post(url + "/chat/completions", json=body, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         # vLLM's file exists while it serves
-        assert bool(rendezvous_files() - rendezvous) == (engine == "vllm")
+        assert bool(rendezvous_files() - rendezvous) == (serves == "vllm")
         proc.terminate()  # SIGTERM
         rest = proc.communicate(timeout=120)[0]
     finally:

@@ -145,7 +145,11 @@ def serve(
     from tandem.core.config import EngineConfig
     from tandem.engine.choice import choose_engine
 
-    engine, engine_reason = choose_engine(EngineConfig(kind=engine), path)
+    # auto measures (or reads the measurement of) the engines as they will serve: these threads and batch
+    serving = EngineConfig(
+        kind=engine, max_batch=max_batch, max_seq_len=max_seq_len, max_parked=max_parked, threads=threads
+    )
+    engine, engine_reason = choose_engine(serving, path)
 
     from tandem.engine.gateway import bind_socket, create_app, run_forever
 
@@ -163,18 +167,7 @@ def serve(
     torch.set_num_threads(threads)
     try:
         chat = load_chat_format(path)
-        eng = create_engine(
-            path,
-            EngineConfig(
-                kind=engine,
-                max_batch=max_batch,
-                max_seq_len=max_seq_len,
-                max_parked=max_parked,
-                threads=threads,
-            ),
-            dtype=dtype,
-            seed=seed,
-        )
+        eng = create_engine(path, serving.model_copy(update={"kind": engine}), dtype=dtype, seed=seed)
     except TandemError as e:
         sock.close()
         _fail(str(e))
