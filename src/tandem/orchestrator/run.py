@@ -140,8 +140,8 @@ def init_ray(cfg: RunConfig) -> None:
     except (ConnectionError, ValueError) as e:
         raise TandemError(
             f"could not join the Ray cluster at {address!r} ({source}): {e}. Check the address (`ray status` "
-            "on the cluster prints it); a cluster started with token authentication (Ray's default for "
-            "`ray start` from 2.59) also needs RAY_AUTH_MODE=token here; unset it to start a local cluster"
+            "on the cluster prints it); a cluster with Ray's token authentication on also needs "
+            "RAY_AUTH_MODE=token here. Without an address the run starts a local cluster"
         ) from e
     cpus = ray.cluster_resources().get("CPU", 0)
     if cpus < needed:
