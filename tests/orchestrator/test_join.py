@@ -14,14 +14,14 @@ from tandem.cli.main import build_config
 from tandem.core.errors import TandemError
 from tandem.orchestrator import train
 
-from .conftest import SHARED_CLUSTER_CPUS, _free_port
+from .conftest import SHARED_CLUSTER_CPUS, free_port
 
 
 def test_an_address_nothing_answers_at_is_refused_naming_where_it_came_from(tmp_path, monkeypatch):
     """Before, ``ray.init`` waited on such an address for over 10 minutes (measured; still waiting when
     killed), and with ``RAY_ADDRESS`` set a run failed in ``ray.init`` ("num_cpus ... must not be
     provided") instead of joining."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     monkeypatch.setenv("RAY_ADDRESS", address)
     cfg = build_config("smoke", None, [])
     t0 = time.monotonic()
