@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh) and run the whole test suite. Fails when any test fails or when none ran.
+#
+# With no arguments the suite runs as two shards at once (scripts/test_shards.sh): a one-process run of it
+# leaves about half of a 2-core machine idle. Each shard has its own mount namespace, /dev/shm and temp dir,
+# so one shard's sandboxes, Ray cluster and leftover checks never see the other's. Where that isolation is
+# not possible (not root, no `unshare`), or with TANDEM_TEST_SHARDS=1, or with any pytest arguments (which
+# are passed on), it runs one pytest process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --vllm
 .venv/bin/ruff check src tests
+if [ "$#" -eq 0 ] && [ "${TANDEM_TEST_SHARDS:-2}" != 1 ] && bash scripts/test_shards.sh --can-isolate; then
+  exec bash scripts/test_shards.sh
+fi
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 status=$?

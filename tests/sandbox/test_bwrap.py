@@ -375,3 +375,43 @@ def test_close_from_another_thread_stops_a_running_exec(cfg: SandboxConfig, mark
     t.join(timeout=15)
     assert not t.is_alive() and results[0].exit_code == 137 and not results[0].timed_out
     assert wait_no_procs(marker) == [] and not s.workdir.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sandboxes run as another user only when tandem is root")
+def test_a_temp_dir_the_sandbox_user_cannot_reach_is_named_with_the_fix() -> None:
+    """Before: with TMPDIR under a directory of mode 700, every sandbox failed with bwrap's "Can't find source
+    path ...-etc-...: Permission denied" and the advice to install bubblewrap."""
+    import shutil
+    import tempfile
+
+    private = Path(tempfile.mkdtemp(prefix="private-"))  # beside pytest's own (mode 700) directory
+    try:
+        (private / "tmp").mkdir()
+        _sandbox_in_temp_dir(private)
+    finally:
+        shutil.rmtree(private)
+
+
+def _sandbox_in_temp_dir(private: Path) -> None:
+    import subprocess
+
+    private.chmod(0o700)
+    code = (
+        "from tandem.core.config import SandboxConfig\n"
+        "from tandem.core.errors import SandboxError\n"
+        "from tandem.sandbox import create_sandbox\n"
+        "try:\n"
+        "    with create_sandbox({'a.txt': 'x'}, SandboxConfig()) as s:\n"
+        "        print('ran', s.exec(['cat', 'a.txt']).stdout)\n"
+        "except SandboxError as e:\n"
+        "    print(e)\n"
+    )
+    env = dict(os.environ, TMPDIR=str(private / "tmp"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"the temp dir '{private / 'tmp'}' is not searchable by the sandbox's user (uid 61000)" in r.stdout
+    assert f"'{private}' has mode 700" in r.stdout and f"chmod o+x '{private}'" in r.stdout
+    assert "Install bubblewrap" not in r.stdout
+    private.chmod(0o755)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.stdout == "ran x\n", r.stdout + r.stderr[-2000:]

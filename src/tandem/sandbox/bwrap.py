@@ -232,6 +232,22 @@ every child), then reports on fd 3 how many other processes are still alive in t
 with the command's status (128+N when a signal killed it); its exit ends the namespace."""
 
 
+def _unsearchable_temp_dir(uid: int) -> str | None:
+    """The reason ``uid`` cannot reach the temp dir (where sandboxes and their /etc copy live), or None.
+    Checks the permission bits of each ancestor for the owner and for others (not group membership)."""
+    tmp = Path(tempfile.gettempdir()).resolve()
+    for d in [tmp, *tmp.parents]:
+        st = d.stat()
+        bit = stat.S_IXUSR if st.st_uid == uid else stat.S_IXOTH
+        if not st.st_mode & bit:
+            return (
+                f"the temp dir {str(tmp)!r} is not searchable by the sandbox's user (uid {uid}): "
+                f"{str(d)!r} has mode {stat.S_IMODE(st.st_mode):o}; set TMPDIR to a directory it can reach "
+                f"(such as /tmp) or allow it (chmod o+x {str(d)!r})"
+            )
+    return None
+
+
 @functools.cache
 def _probe(uid: int | None = None) -> str | None:
     """None when bwrap works here with our flags (run as ``uid``), else the reason it does not."""
@@ -239,6 +255,8 @@ def _probe(uid: int | None = None) -> str | None:
         return "`bwrap` is not on PATH (install the bubblewrap package)"
     if uid is not None and shutil.which("setpriv") is None:
         return "`setpriv` (util-linux) is not on PATH; install util-linux or set sandbox.uid = 0"
+    if uid is not None and (reason := _unsearchable_temp_dir(uid)):
+        return reason
     with tempfile.TemporaryDirectory(prefix="tandem-bwrap-probe-") as d:
         if uid is not None:
             os.chown(d, uid, uid)
@@ -291,8 +309,9 @@ class BwrapSandbox(Sandbox):
                 )
         if reason is not None:
             raise SandboxError(
-                f"the bwrap sandbox backend is not usable: {reason}. Install bubblewrap (and allow user "
-                "namespaces), or set sandbox.backend = 'plain' to opt into unisolated execution"
+                f"the bwrap sandbox backend is not usable: {reason}. Fix that (bubblewrap must be "
+                "installed and user namespaces allowed), or set sandbox.backend = 'plain' to opt into "
+                "unisolated execution"
             )
         super().__init__(workspace, config, gateway)
         self._prefix = bwrap_args(self.workdir, tmp_mb=config.memory_mb, uid=self.owner)
