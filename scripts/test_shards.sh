@@ -11,18 +11,27 @@
 #   bash scripts/test_shards.sh                run both shards, print each line prefixed [A] or [B]
 #   bash scripts/test_shards.sh --can-isolate  exit 0 when this machine can (root and a working `unshare`)
 #
-# TANDEM_TEST_SUITE (default: tests) and TANDEM_TEST_SHARD_A (space-separated; default: the list below) name
-# other paths; tests/test_shards.py runs the script on a small suite of its own that way.
+# TANDEM_TEST_SUITE (default: tests), TANDEM_TEST_SHARD_A and TANDEM_TEST_IN_B (space-separated; default: the
+# lists below; IN_B is empty when only SHARD_A is given) name other paths; tests/test_shards.py runs the script
+# on a small suite of its own that way.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-# Shard A runs these paths and shard B every other test, so a new test file always runs somewhere. Chosen from
-# one process's `pytest --durations` so that both shards take about as long (docs/results.md, 2026-11-30).
+# Shard A runs SHARD_A's paths but IN_B, and shard B every other test, so a new test file always runs
+# somewhere. Chosen from `pytest --durations` so that both shards take about as long: the Ray runs of
+# tests/orchestrator in A, except the stop tests (each starts a cluster of its own), which evened the two out
+# (docs/results.md, 2026-11-30).
 SHARD_A=(
   tests/orchestrator
 )
+IN_B=(
+  tests/orchestrator/test_stop.py
+)
 SUITE=${TANDEM_TEST_SUITE:-tests}
-if [ -n "${TANDEM_TEST_SHARD_A:-}" ]; then read -r -a SHARD_A <<< "$TANDEM_TEST_SHARD_A"; fi
+if [ -n "${TANDEM_TEST_SHARD_A:-}" ]; then
+  read -r -a SHARD_A <<< "$TANDEM_TEST_SHARD_A"
+  read -r -a IN_B <<< "${TANDEM_TEST_IN_B:-}"
+fi
 
 if [ "${1:-}" = --can-isolate ]; then
   [ "$(id -u)" = 0 ] && command -v unshare > /dev/null && unshare --mount --propagation private true 2> /dev/null
@@ -48,11 +57,18 @@ run_shard() {  # NAME PYTEST-ARGS...: one shard, its pytest exit status written 
     echo "$status" > "$status_file"' shard "$root/$name/status" "$@" 2>&1 | sed -u "s/^/[$name] /"
 }
 
-ignores=()
-for path in "${SHARD_A[@]}"; do ignores+=("--ignore=$path"); done
-run_shard A "${SHARD_A[@]}" &
+a_args=("${SHARD_A[@]}")
+for path in "${IN_B[@]}"; do a_args+=("--ignore=$path"); done
+# B ignores each test file under A's paths but IN_B (pytest drops a path argument inside another one, so
+# naming IN_B's files beside the suite would not run them)
+b_args=("$SUITE")
+while IFS= read -r file; do
+  for moved in "${IN_B[@]}"; do [ "$file" = "$moved" ] && continue 2; done
+  b_args+=("--ignore=$file")
+done < <(find "${SHARD_A[@]}" -type f \( -name 'test_*.py' -o -name '*_test.py' \) | sort)
+run_shard A "${a_args[@]}" &
 a=$!
-run_shard B "$SUITE" "${ignores[@]}" &
+run_shard B "${b_args[@]}" &
 b=$!
 wait "$a" "$b"
 

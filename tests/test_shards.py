@@ -21,9 +21,10 @@ def _can_isolate() -> bool:
 pytestmark = pytest.mark.skipif(not _can_isolate(), reason="needs root and `unshare --mount`")
 
 
-def _shards(suite: Path, shard_a: Path) -> subprocess.CompletedProcess:
+def _shards(suite: Path, shard_a: Path, in_b: Path | None = None) -> subprocess.CompletedProcess:
     """Run the script on ``suite``; the temp dirs it keeps after a failure (and names) are removed."""
     env = dict(os.environ, TANDEM_TEST_SUITE=str(suite), TANDEM_TEST_SHARD_A=str(shard_a))
+    env["TANDEM_TEST_IN_B"] = str(in_b or "")
     r = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=300)
     kept = re.search(r"the shards' temp dirs are kept in (\S+)", r.stderr)
     if kept:
@@ -67,3 +68,15 @@ def test_a_failing_shard_fails_the_run_and_a_shard_without_tests_too(tmp_path):
     r = _shards(suite, suite / "empty")
     assert r.returncode == 1 and "error: shard A collected no tests" in r.stderr, r.stderr
     assert "kept in" in r.stderr  # for a look at what the failed shards left
+
+
+def test_a_file_under_shard_as_paths_can_run_in_shard_b_and_runs_once(tmp_path):
+    suite = tmp_path / "suite"
+    _write_test(suite / "a" / "test_a.py", "def test_one():\n    pass\n")
+    _write_test(suite / "a" / "test_moved.py", "def test_two():\n    pass\n\ndef test_three():\n    pass\n")
+    _write_test(suite / "b" / "test_b.py", "def test_four():\n    pass\n")
+    r = _shards(suite, suite / "a", suite / "a" / "test_moved.py")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert any(line.startswith("[A] 1 passed") for line in lines), r.stdout
+    assert any(line.startswith("[B] 3 passed") for line in lines), r.stdout
