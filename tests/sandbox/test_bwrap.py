@@ -412,6 +412,7 @@ def _sandbox_in_temp_dir(private: Path) -> None:
     assert f"the temp dir '{private / 'tmp'}' is not searchable by the sandbox's user (uid 61000)" in r.stdout
     assert f"'{private}' has mode 700" in r.stdout and f"chmod o+x '{private}'" in r.stdout
     assert "Install bubblewrap" not in r.stdout
-    private.chmod(0o755)
+    os.chown(private, -1, 61000)  # the sandbox's user runs with its uid as its gid
+    private.chmod(0o710)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.stdout == "ran x\n", r.stdout + r.stderr[-2000:]

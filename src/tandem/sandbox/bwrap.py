@@ -234,11 +234,12 @@ with the command's status (128+N when a signal killed it); its exit ends the nam
 
 def _unsearchable_temp_dir(uid: int) -> str | None:
     """The reason ``uid`` cannot reach the temp dir (where sandboxes and their /etc copy live), or None.
-    Checks the permission bits of each ancestor for the owner and for others (not group membership)."""
+    Checks each ancestor's search bit as the kernel would for the sandbox's user, which runs with gid ``uid``
+    and no other groups (``bwrap_args``)."""
     tmp = Path(tempfile.gettempdir()).resolve()
     for d in [tmp, *tmp.parents]:
         st = d.stat()
-        bit = stat.S_IXUSR if st.st_uid == uid else stat.S_IXOTH
+        bit = stat.S_IXUSR if st.st_uid == uid else stat.S_IXGRP if st.st_gid == uid else stat.S_IXOTH
         if not st.st_mode & bit:
             return (
                 f"the temp dir {str(tmp)!r} is not searchable by the sandbox's user (uid {uid}): "
