@@ -80,3 +80,13 @@ def test_a_file_under_shard_as_paths_can_run_in_shard_b_and_runs_once(tmp_path):
     lines = r.stdout.splitlines()
     assert any(line.startswith("[A] 1 passed") for line in lines), r.stdout
     assert any(line.startswith("[B] 3 passed") for line in lines), r.stdout
+
+
+def test_test_sh_refuses_a_shard_count_it_does_not_have_before_setting_up():
+    env = dict(os.environ, TANDEM_TEST_SHARDS="3")
+    r = subprocess.run(
+        ["bash", str(REPO / "scripts" / "test.sh")], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "TANDEM_TEST_SHARDS=3 must be 1 (one pytest process) or 2" in r.stderr
+    assert "setup:" not in r.stdout + r.stderr
