@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from tandem.weights import codec
 from tandem.weights.blob import (
     DENSE,
     IDENT,
+    LIST,
     MODE_NAMES,
     QUAD,
     RAW,
@@ -21,10 +23,18 @@ from tandem.weights.blob import (
     parse_header,
 )
 from tandem.weights.bound import entropy_bound_bits
-from tandem.weights.codec import CHUNK_LOG2, encode_tensor, key_spec
+from tandem.weights.codec import CHUNK_LOG2, TensorEncoder, encode_tensor, key_spec
 from tandem.weights.decoder import TensorDecoder, decode_tensor
 from tandem.weights.entropy import ALPHABET, bucket, golomb_params
-from tandem.weights.kernels import GAP_GOLOMB, GAP_TABLE, QUAD_ALPHABET, escape_positions, quad_scan
+from tandem.weights.kernels import (
+    ESC_DIRECT,
+    GAP_GOLOMB,
+    GAP_TABLE,
+    QUAD_ALPHABET,
+    escape_code,
+    escape_positions,
+    quad_scan,
+)
 
 SPECIALS = [np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40, -1e-40, 65504.0, -1.0]
 
@@ -109,51 +119,6 @@ def test_escape_positions_list_every_class_3_element_in_order(escape_rate):
             assert where[:m].tolist() == expected.tolist()
 
 
-def test_quad_blob_is_the_same_whether_escapes_are_kept_from_the_scan_or_scanned_again(monkeypatch):
-    """A chunk with many escapes keeps their codes from scan to encode only within the ``KEEP_ESCAPES``
-    fraction or the encode's ``EscapeBudget``, else it is scanned again at encode time; every path must
-    write the same bytes, and each must be the one taken."""
-    import tandem.weights.codec as codec
-
-    rng = np.random.default_rng(7)
-    n = (1 << 16) + 3
-    prev = bf16(rng.standard_normal(n).astype(np.float32) * 0.02)
-    pick = rng.random(n)
-    step = np.where(pick < 0.3, 1, np.where(pick < 0.6, -1, 0))
-    step[pick >= 0.75] = rng.integers(2, 3000, int((pick >= 0.75).sum()))  # 25% escapes
-    cur = _key_step(prev, step, 16)
-    blobs, kept = [], []
-    # (fraction, budget bytes): kept by the fraction, kept by the budget, scanned again
-    for keep, budget in ((1.0, 0), (0.0, None), (0.0, 0)):
-        monkeypatch.setattr(codec, "KEEP_ESCAPES", keep)
-        enc = codec.TensorEncoder("t", prev, cur, codec.EscapeBudget(budget))
-        codec.run_tasks(enc.scan_tasks(), 1)
-        kept.append(enc.scans[0].esyms is not None)
-        left = enc.budget.left
-        enc.plan()
-        codec.run_tasks(enc.encode_tasks(), 1)
-        blobs.append(enc.blob())
-        assert decode_tensor(prev, blobs[-1]).tobytes() == cur.tobytes()
-        if budget is None:  # the budget paid for what the chunk kept
-            assert left < codec.KEEP_ESCAPES_BYTES
-    assert kept == [True, True, False]
-    assert mode_of(blobs[0]) == QUAD
-    assert blobs[0] == blobs[1] == blobs[2]
-    assert roundtrip(prev, cur) == blobs[0]
-
-
-def test_escape_budget_is_shared_and_never_overdrawn():
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tandem.weights.codec import EscapeBudget
-
-    budget = EscapeBudget(1000)
-    with ThreadPoolExecutor(4) as ex:
-        granted = list(ex.map(lambda _: budget.take(7), range(400)))
-    assert sum(granted) == 1000 // 7 and budget.left == 1000 % 7
-    assert not budget.take(budget.left + 1) and budget.take(budget.left)
-
-
 def _dense_change(n: int, seed: int, ones: float, big: float) -> tuple[np.ndarray, np.ndarray]:
     """bf16 weights and a dense change of them: a fraction ``ones`` of the elements one key step down or up
     (half each), a fraction ``big`` by up to 5000 steps (escapes, many with raw bits), the rest unchanged."""
@@ -206,15 +171,16 @@ def test_quad_steps_wrap_like_the_key_model_on_every_boundary_and_an_unaligned_b
 @pytest.mark.parametrize("width", [16, 32])
 def test_quad_escapes_round_the_saturated_byte_are_exact(width):
     """The quad scan keeps each element's ``min(z, 255)`` in one byte and recomputes ``z`` from the elements
-    where the byte saturated: key steps whose zigzag code is just below, at and above 255 (and far beyond,
-    both directions, in every lane of a quad) must round-trip, and the escapes' histogram must equal the
-    one of every escape's own symbol."""
+    where the byte saturated: key steps whose zigzag code is just below, at and above 255 and the first
+    code with raw bits (``ESC_DIRECT``), and far beyond, both directions, in every lane of a quad, must
+    round-trip; the escapes' codes must be ``escape_code``'s and their histogram the dense mode's buckets
+    of every escape."""
     rng = np.random.default_rng(7 + width)
     dt = np.uint16 if width == 16 else np.uint32
     n = 1 << 15
     prev = rng.integers(0, 1 << width, n, dtype=np.uint64).astype(dt)
     step = rng.choice([0, 0, -1, 1], n)
-    far = [2, -2, 8, -8, 126, 127, -127, -128, 128, -129, 129, 1000, -30000, 30001]  # z: 3, 4, ..., 253-258
+    far = [2, -2, 8, -8, 111, -112, 112, 126, 127, -127, -128, 128, -129, 129, 1000, -30000, 30001]
     at = rng.choice(n, 16 * len(far), replace=False)
     step[at] = np.resize(far, at.size)
     cur = _key_step(prev, step, width)
@@ -230,10 +196,10 @@ def test_quad_escapes_round_the_saturated_byte_are_exact(width):
     key = lambda u: np.where(u & spec.sign, u ^ spec.mask, u | spec.sign).astype(np.int64)  # noqa: E731
     d = key(c.astype(np.int64)) - key(p.astype(np.int64))
     zs = ((d << 1) ^ (d >> 63)).tolist()
-    want = [bucket(z)[0] for z in zs if z >= 3]
-    assert max(zs) > 255 and 255 in zs and 254 in zs
-    assert esyms.tolist() == want
-    assert ehist.tolist() == np.bincount(want, minlength=ALPHABET).tolist()
+    buckets = [bucket(z)[0] for z in zs if z >= 3]
+    assert max(zs) > 255 and {254, 255, ESC_DIRECT - 1, ESC_DIRECT} <= set(zs)
+    assert esyms.tolist() == [escape_code(z)[0] for z in zs if z >= 3]
+    assert ehist.tolist() == np.bincount(buckets, minlength=ALPHABET).tolist()
 
 
 @pytest.mark.parametrize("kind", ["bf16", "float16", "float32"])
@@ -421,13 +387,15 @@ def test_changed_positions_are_decoded_without_the_base_in_every_mode():
     a = rng.integers(0x3C00, 0x3F00, 2 * size, dtype=np.uint16)
     hit = rng.random(2 * size) < np.r_[np.full(size, 0.15), np.full(size, 0.95)]
     b = (a.astype(np.int64) + rng.integers(-3, 4, 2 * size) * hit).astype(np.uint16)
-    cases += [(a, b), (a, a)]
+    few = a[:256].copy()
+    few[[3, 77, 200]] += 1  # a handful of changes: the list mode
+    cases += [(a, b), (a, a), (a[:256], few)]
     modes = set()
     for prev, cur in cases:
         blob = encode_tensor(prev, cur)
         modes.add(mode_of(blob))
         np.testing.assert_array_equal(changed_positions(blob, "w", prev.size), np.flatnonzero(prev != cur))
-    assert {SPARSE, QUAD, DENSE, IDENT} <= modes, [MODE_NAMES[m] for m in modes]
+    assert {SPARSE, QUAD, DENSE, IDENT, LIST} <= modes, [MODE_NAMES[m] for m in modes]
     noise = encode_tensor(*[rng.integers(0, 2**16, 5000, dtype=np.uint16) for _ in "ab"])
     assert changed_positions(noise, "w", 5000) is None
     prev, cur = cases[0]
@@ -466,13 +434,12 @@ def test_the_dense_histogram_from_quads_equals_the_one_from_listing_every_change
 
 
 @pytest.mark.parametrize("n", [4096, 4099, 50_001])
-def test_the_fused_quad_kernels_equal_the_step_by_step_path(n):
-    """``quad_scan_chunk`` and ``encode_quad_part`` (one compiled call each, what the encoder runs) give the
-    same quads, histograms, escapes and part bytes as ``quad_scan``, ``dense_hist_of_quads``,
-    ``encode_lanes`` and ``_chunk_part`` called one by one; many escapes carry raw bits."""
+def test_the_fused_quad_scan_equals_the_step_by_step_path_and_its_part_decodes(n):
+    """``quad_scan_chunk`` (one compiled call, what the encoder runs) gives the same quads, histograms and
+    escapes as ``quad_scan`` and ``dense_hist_of_quads`` called one by one; many escapes carry raw bits.
+    The part ``quad_part`` makes of them decodes (``patch_quads``) to the new chunk."""
     from tandem.weights import kernels as K
-    from tandem.weights.codec import _chunk_part, _table_bits
-    from tandem.weights.tables import Table
+    from tandem.weights.codec import quad_part
 
     prev, cur = _dense_change(n, seed=n, ones=0.6, big=0.15)
     spec = key_spec(prev.dtype)
@@ -491,16 +458,143 @@ def test_the_fused_quad_kernels_equal_the_step_by_step_path(n):
     assert (fused_hist == hist).all() and (fesyms == esyms).all()
     assert fenbits == enbits > 0 and (febits == ebits[:words]).all()
 
-    qt = Table.encoding(_table_bits(qhist, False)[1], K.QUAD_ALPHABET)
-    et = Table.encoding(_table_bits(ehist)[1])
-    m, nq = esyms.shape[0], quads.shape[0]
-    qbuf, qstart = np.empty((K.LANES, nq // K.LANES + 4), np.uint16), np.zeros(K.LANES, np.int64)
-    ebuf, estart = np.empty((K.LANES, m // K.LANES + 4), np.uint16), np.zeros(K.LANES, np.int64)
-    K.encode_lanes(quads, qt.enc, qbuf, qstart)
-    K.encode_lanes(esyms, et.enc, ebuf, estart)
-    streams = [qbuf[j, qstart[j] :] for j in range(K.LANES)] + [ebuf[j, estart[j] :] for j in range(K.LANES)]
-    expected = bytes(_chunk_part([m], streams, ebits[:words], enbits))
-    assert K.encode_quad_part(quads, qt.enc, esyms, et.enc, febits, enbits).tobytes() == expected
+    blob = _quad_blob(prev, quad_part(fq, fesyms, febits, fenbits))
+    assert decode_tensor(prev, blob).tobytes() == cur.tobytes()
+
+
+def _quad_blob(prev: np.ndarray, *parts: bytes) -> bytes:
+    """A sealed quad-mode blob of ``prev``'s dtype and shape around the given chunk parts."""
+    from tandem.weights.blob import seal, write_header
+
+    out = bytearray()
+    write_header(out, QUAD, prev.dtype, prev.shape, 1)
+    out.append(CHUNK_LOG2)
+    for part in parts:
+        out += part
+    return seal(out)
+
+
+def test_a_quad_blob_with_forged_streams_is_refused_before_it_writes_out_of_bounds():
+    """Behind a valid checksum: escape codes whose raw bits are missing (the largest code reads 38 bits),
+    more or fewer escapes than the quads mark, quads for elements past the end, a frame that holds more
+    quads than the chunk or fewer, and a frame whose bytes are not zstd's: each is refused naming the
+    tensor, and no read leaves the bit stream's padding."""
+    from tandem.weights import zframes
+    from tandem.weights.codec import quad_part
+
+    n = 1001  # 250 whole quads and one element in the last
+    prev = bf16(np.linspace(-1, 1, n).astype(np.float32))
+    quads = np.zeros((n + 3) // 4, np.uint8)
+    quads[0] = 0xFF  # four escapes
+    good = quad_part(quads, np.array([3, 4, 5, 6], np.uint8), np.zeros(1, np.uint64), 0)
+    assert decode_tensor(prev, _quad_blob(prev, good)).shape == prev.shape
+    past = quads.copy()
+    past[-1] = 0b0100  # class 1 for the element after the last
+    no_bits = np.zeros(1, np.uint64)
+    forged = {
+        "raw bits missing": quad_part(quads, np.array([3, 4, 5, 255], np.uint8), no_bits, 0),
+        "raw bits short": quad_part(quads, np.array([3, 255, 255, 6], np.uint8), np.ones(1, np.uint64), 50),
+        "too few escapes": quad_part(quads, np.array([3, 4, 5], np.uint8), no_bits, 0),
+        "too many escapes": quad_part(quads, np.array([3, 4, 5, 6, 7], np.uint8), no_bits, 0),
+        "past the end": quad_part(past, np.array([3, 4, 5, 6], np.uint8), no_bits, 0),
+        "quads short": quad_part(quads[:-1], np.array([3, 4, 5, 6], np.uint8), no_bits, 0),
+        "quads long": quad_part(np.r_[quads, quads], np.array([3, 4, 5, 6], np.uint8), no_bits, 0),
+    }
+    frame = zframes.pack(quads)
+    garbled = bytearray(good)
+    at = bytes(good).index(frame)
+    garbled[at : at + len(frame)] = bytes(len(frame))  # zeros: not a zstd frame
+    forged["not zstd"] = bytes(garbled)
+    for what, part in forged.items():
+        with pytest.raises(CorruptDeltaError, match="'w'"):
+            decode_tensor(prev, _quad_blob(prev, part), name="w")
+        print("refused:", what)
+
+
+def test_zstd_frames_hold_exactly_what_they_claim():
+    """``zframes.unpack`` returns exactly the expected bytes or raises: never more bytes than asked for (a
+    frame of a million bytes asked for ten), never fewer, never with bytes after the frame."""
+    from tandem.weights import zframes
+
+    data = np.random.default_rng(0).integers(0, 4, 1_000_000).astype(np.uint8)
+    frame = zframes.pack(data)
+    assert len(frame) < data.size // 3 and zframes.pack(data) == frame
+    assert zframes.unpack(frame, data.size).tobytes() == data.tobytes()
+    for bad, n in ((frame, 10), (frame, data.size + 1), (frame + b"x", data.size), (b"", 5), (frame, 0)):
+        with pytest.raises(ValueError):
+            zframes.unpack(bad, n)
+    assert zframes.pack(b"") == b"" and zframes.unpack(b"", 0).size == 0
+
+
+@pytest.mark.parametrize("kind", ["bf16", "float32"])
+def test_a_handful_of_changes_take_the_list_mode_smaller_than_sparse(kind):
+    """A few changes (a norm weight's step: one to a few elements, some by many steps, across two chunks
+    of a large tensor) are a list of varints, smaller than the sparse mode's blob with its tables; it
+    decodes, prepares a patch of exactly those elements, and lists their positions without the base."""
+    from tandem.weights.decoder import changed_positions
+
+    rng = np.random.default_rng(11)
+    big = 1 << CHUNK_LOG2
+    for n, where in ((256, [0, 9, 255]), (big + 5, [4, big, big + 4])):
+        prev = as_dtype(rng.standard_normal(n).astype(np.float32), kind)
+        bits = prev.view(np.uint16 if kind == "bf16" else np.uint32)
+        cur_bits = bits.copy()
+        cur_bits[where] += np.array([1, 3, 40000 if kind == "float32" else 200], cur_bits.dtype)
+        cur = cur_bits.view(prev.dtype)
+        blob = roundtrip(prev, cur)
+        assert mode_of(blob) == LIST
+        enc = TensorEncoder("w", prev, cur)
+        codec.run_tasks(enc.scan_tasks(), 1)
+        enc.plan()
+        assert enc.mode == LIST and len(blob) < 8 * len(where) + 16
+        live = prev.copy()
+        dec = TensorDecoder("w", live, blob, prepare=True)
+        for t in dec.tasks():
+            t()
+        patch = dec.patch()
+        assert patch.indices.tolist() == where and np.array_equal(live, prev)
+        patch.apply(live)
+        assert live.tobytes() == cur.tobytes()
+        assert changed_positions(blob, "w", n).tolist() == where
+
+
+def test_a_forged_list_is_refused_before_it_reads_or_writes_out_of_bounds():
+    """Behind a valid checksum: a gap past the end of the tensor, a truncated varint, bytes after the last
+    change, and a header that claims more changes than the payload can hold: each is refused naming the
+    tensor."""
+    from tandem.weights.blob import seal, write_header
+    from tandem.weights.kernels import encode_list
+
+    prev = np.arange(100, dtype=np.uint16)
+
+    def blob(payload: bytes, changed: int) -> bytes:
+        out = bytearray()
+        write_header(out, LIST, prev.dtype, prev.shape, changed)
+        return seal(out + payload)
+
+    good = encode_list(np.array([5, 99], np.int64), np.array([2, 1], np.int64)).tobytes()
+    assert decode_tensor(prev, blob(good, 2))[[5, 99]].tolist() == [6, 98]
+    forged = {
+        "past the end": encode_list(np.array([5, 100], np.int64), np.array([2, 1], np.int64)).tobytes(),
+        "truncated": good[:-1] + b"\x80",
+        "trailing": good + b"\x00",
+    }
+    for payload in forged.values():
+        with pytest.raises(CorruptDeltaError, match="'w'"):
+            decode_tensor(prev, blob(payload, 2), name="w")
+    with pytest.raises(CorruptDeltaError, match="'w'.*more changes"):
+        decode_tensor(prev, blob(good, 50), name="w")
+
+
+def test_the_retired_rans_quad_mode_is_refused_by_name():
+    """Mode 5 (quads in rANS streams, before 2026-12-01) is refused with what to do, not decoded as
+    something else (a store reader falls back to a full snapshot on this error)."""
+    from tandem.weights.blob import RETIRED_RANS_QUAD, seal, write_header
+
+    out = bytearray()
+    write_header(out, RETIRED_RANS_QUAD, np.dtype(np.uint16), (8,), 1)
+    with pytest.raises(CorruptDeltaError, match="rANS quad mode.*full snapshot"):
+        decode_tensor(np.zeros(8, np.uint16), seal(out + bytes(8)), name="w")
 
 
 def test_run_tasks_keeps_one_pool_per_thread_and_priority_and_waits_for_every_task():

@@ -8,8 +8,14 @@ Layout (all integers are LEB128 varints unless sized)::
 the system zlib's) covers every byte before it; ``parse_header`` verifies it first, so no decoder ever
 runs on a corrupted blob. The dtype tag is one byte for the common dtypes (see ``DTYPE_CODES``) or 0
 followed by the length-prefixed numpy ``dtype.str``. Modes: ``IDENT`` (no payload), ``SPARSE`` and
-``DENSE`` and ``QUAD`` (entropy-coded changes, see ``tandem.weights.kernels``), ``RAW`` (the new tensor's
-bytes), ``XOR_ZSTD`` (zstd of ``prev XOR cur`` bytes: the fallback for dtypes without an ordered-key model).
+``DENSE`` (rANS-coded changes, see ``tandem.weights.kernels``), ``QUAD`` (element classes and escape
+symbols as zstd frames, whose Huffman literal coder decodes faster than our rANS; see
+``tandem.weights.kernels``), ``LIST`` (a few changes, each a varint gap and a varint ``z``: no tables to
+build, for tensors such as norms whose version changes a handful of elements), ``RAW`` (the new tensor's
+bytes), ``XOR_ZSTD`` (zstd of ``prev XOR cur`` bytes: the fallback for dtypes without an ordered-key
+model). Mode number 5 was the quad mode with rANS
+streams, written before 2026-12-01: ``parse_header`` refuses it by name (a store reader then falls back to a
+full snapshot).
 
 Ordered-key dtypes: float32 (width 32), float16 and bfloat16 (width 16). ``uint16`` is read as bfloat16 bit
 patterns, because that is how the trainer publishes bfloat16 (numpy has no bfloat16); the mapping is a
@@ -29,9 +35,13 @@ from tandem.core.errors import TandemError
 from tandem.weights.tables import read_varint, write_varint
 
 FORMAT = 0xD1
-IDENT, SPARSE, DENSE, RAW, XOR_ZSTD, QUAD = range(6)
+IDENT, SPARSE, DENSE, RAW, XOR_ZSTD = range(5)
+RETIRED_RANS_QUAD = 5  # the quad mode with rANS streams (before 2026-12-01): no longer decoded
+QUAD = 6
+LIST = 7
 MODE_NAMES = {
     IDENT: "ident", SPARSE: "sparse", DENSE: "dense", RAW: "raw", XOR_ZSTD: "xor_zstd", QUAD: "quad",
+    LIST: "list",
 }  # fmt: skip
 DTYPE_CODES = {"float32": 1, "float16": 2, "uint16": 3, "bfloat16": 4}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
@@ -115,6 +125,11 @@ def parse_header(blob: bytes | memoryview, name: str = "tensor") -> BlobHeader:
         raise CorruptDeltaError(
             f"delta blob of {name!r} is corrupt: crc32 {actual:08x} != stored {stored:08x}; refetch it"
         )
+    if blob[0] == FORMAT and blob[1] == RETIRED_RANS_QUAD:
+        raise CorruptDeltaError(
+            f"delta blob of {name!r} is in the rANS quad mode of tandem before 2026-12-01, which this "
+            f"version no longer decodes; fetch a full snapshot (or republish the version)"
+        )
     if blob[0] != FORMAT or blob[1] not in MODE_NAMES:
         raise CorruptDeltaError(f"delta blob of {name!r} has unknown format {blob[0]:#x} / mode {blob[1]}")
     mode, code, pos = blob[1], blob[2], 3
@@ -125,12 +140,12 @@ def parse_header(blob: bytes | memoryview, name: str = "tensor") -> BlobHeader:
             pos += n
         else:
             tag = CODE_DTYPES[code]
-        ndim, pos = read_varint(blob, pos)
+        ndim, pos = _varint(blob, pos, end)
         shape = []
         for _ in range(ndim):
-            d, pos = read_varint(blob, pos)
+            d, pos = _varint(blob, pos, end)
             shape.append(d)
-        changed, pos = read_varint(blob, pos)
+        changed, pos = _varint(blob, pos, end)
     except (KeyError, UnicodeDecodeError, ValueError) as e:
         raise CorruptDeltaError(f"delta blob of {name!r} has a corrupt header: {e}") from None
     if code == 0 and not _known_numpy_tag(tag):
@@ -141,6 +156,17 @@ def parse_header(blob: bytes | memoryview, name: str = "tensor") -> BlobHeader:
     if pos > end:
         raise CorruptDeltaError(f"delta blob of {name!r} has a corrupt header (runs past the end)")
     return BlobHeader(mode, tag, tuple(shape), changed, pos, end)
+
+
+def _varint(blob: bytes | memoryview, pos: int, end: int) -> tuple[int, int]:
+    """``read_varint`` with a fast path for the one- and two-byte values header fields are."""
+    if pos + 1 < end:
+        b0, b1 = blob[pos], blob[pos + 1]
+        if b0 < 0x80:
+            return b0, pos + 1
+        if b1 < 0x80:
+            return (b0 & 0x7F) | (b1 << 7), pos + 2
+    return read_varint(blob, pos)
 
 
 @functools.lru_cache(maxsize=256)

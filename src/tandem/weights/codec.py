@@ -6,8 +6,9 @@ Invariants:
 - ``prev`` and ``cur`` must have the same dtype and shape; a mismatch is a ``ValueError`` naming the tensor,
   both dtypes and both shapes.
 - The mode (see ``tandem.weights.blob``) is chosen per tensor by the exact estimated size of each candidate:
-  sparse gaps (rANS table or Golomb) + diffs, dense per-element symbols, quads of element classes +
-  escapes (the fast dense mode, available when every chunk has at least ``DENSE_FROM`` changes), or the
+  sparse gaps (rANS table or Golomb) + diffs, a list of a few changes (exact size), dense per-element
+  symbols, quads of element classes + escapes (the fast dense mode, available when every chunk has at
+  least ``DENSE_FROM`` changes; its chunks are coded in the scan, so its size is the real one), or the
   raw new bytes.
 - Work is split into chunks of ``2**CHUNK_LOG2`` elements; chunk kernels release the GIL, so the
   ``*_tasks`` lists run in parallel on a thread pool (see ``run_tasks``: each calling thread keeps its own)
@@ -17,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import struct
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -28,9 +30,11 @@ import zstandard
 from numba import njit
 
 from tandem.weights import kernels as K
+from tandem.weights import zframes
 from tandem.weights.blob import (
     DENSE,
     IDENT,
+    LIST,
     QUAD,
     RAW,
     SPARSE,
@@ -39,22 +43,19 @@ from tandem.weights.blob import (
     seal,
     write_header,
 )
-from tandem.weights.entropy import ALPHABET, NEXTRA, NJIT, golomb_parameter, golomb_params
+from tandem.weights.entropy import NEXTRA, NJIT, golomb_parameter, golomb_params
 from tandem.weights.tables import Table, plan_table, write_varint
 
 CHUNK_LOG2 = 20
 SPARSE_CHUNK_BITS = 8 * 12  # per chunk: directory varints and up to two rANS final states
 DENSE_CHUNK_BITS = 8 * 24  # per chunk: directory varints and four rANS final states
-QUAD_CHUNK_BITS = 8 * 48  # per chunk: directory varints and eight rANS final states
 ZSTD_LEVEL = 3
 DENSE_FROM = 0.2  # density from which the dense decoder (per element) beats the sparse one (per change)
 SPEED_BIAS = 1.03  # the slower mode must be this much smaller to be chosen
-KEEP_ESCAPES = 1 / 8  # a chunk keeps its escapes' codes (~3 bytes each) from scan to encode up to this
-# fraction of its elements, and beyond it while the encode's ``EscapeBudget`` lasts; a chunk that gets
-# neither is scanned again in the encode phase (which bounds what a dense delta of a large model holds)
-KEEP_ESCAPES_BYTES = 64 << 20  # an encode's EscapeBudget: bytes of escape codes kept beyond KEEP_ESCAPES
+LIST_ALWAYS = 4096  # chunks of at most this many elements always list their changes
 DENSE_BIAS = 1.10  # the dense mode decodes ~3x slower than the quad mode: it must be this much smaller
 
+QUAD_DIRECTORY = struct.Struct("<IIII")  # a quad chunk's directory: one unpack instead of four varints
 Task = Callable[[], None]
 
 
@@ -83,16 +84,36 @@ def _policy() -> int:
 
 def run_tasks(tasks: list[Task], threads: int) -> None:
     """Run independent tasks, on ``threads`` threads when > 1 (kernels release the GIL), on the calling
-    thread's kept pool (``_pool``). Returns once every task has finished, then raises the first task's
-    exception if any did (no task is left running behind an error)."""
+    thread's kept pool (``_pool``). Each worker takes the next task from the list as it finishes one, so
+    a call costs ``threads`` hand-offs, not one per task: a version of the shipped model has 68 tensors,
+    most of them small, and a future per task had made a two-thread decode slower than one thread (2.5
+    against 2.7 GB/s). Returns once every task has finished, then raises the first task's exception (in
+    list order) if any did (no task is left running behind an error)."""
     if threads <= 1 or len(tasks) <= 1:
         for t in tasks:
             t()
         return
-    futures = [_pool(threads).submit(t) for t in tasks]
+    queue = iter(enumerate(tasks))
+    lock = threading.Lock()
+    errors: list[tuple[int, BaseException]] = []
+
+    def worker() -> None:
+        while True:
+            with lock:
+                item = next(queue, None)
+            if item is None:
+                return
+            try:
+                item[1]()
+            except BaseException as e:  # re-raised by the caller once every task has ended
+                errors.append((item[0], e))
+
+    futures = [_pool(threads).submit(worker) for _ in range(min(threads, len(tasks)))]
     wait(futures)
     for f in futures:
         f.result()
+    if errors:
+        raise min(errors, key=lambda err: err[0])[1]
 
 
 def check_pair(name: str, prev: np.ndarray, cur: np.ndarray) -> None:
@@ -106,15 +127,6 @@ def check_pair(name: str, prev: np.ndarray, cur: np.ndarray) -> None:
 def chunk_ranges(n: int) -> list[tuple[int, int]]:
     step = 1 << CHUNK_LOG2
     return [(a, min(a + step, n)) for a in range(0, n, step)]
-
-
-def word_views(p: np.ndarray, c: np.ndarray, lanes: int) -> tuple[np.ndarray, np.ndarray]:
-    """uint64 views of the whole words of two chunk slices, or empty arrays if they are not 8-aligned."""
-    nw = p.shape[0] // lanes
-    if nw == 0 or p.ctypes.data % 8 or c.ctypes.data % 8:
-        empty = np.zeros(0, np.uint64)
-        return empty, empty
-    return p[: nw * lanes].view(np.uint64), c[: nw * lanes].view(np.uint64)
 
 
 @njit(**NJIT)
@@ -154,50 +166,21 @@ def _total(arrays: list[np.ndarray]) -> np.ndarray:
     return arrays[0] if len(arrays) == 1 else np.sum(arrays, axis=0)
 
 
-class EscapeBudget:
-    """Bytes of escape codes the chunks of one encode may keep from scan to encode beyond the
-    ``KEEP_ESCAPES`` fraction (a dense delta's chunks, e.g. a small model's early RL steps, then skip their
-    second scan). Shared by the encode's tensors and thread-safe (scan tasks run in parallel): which chunks
-    get it depends on the order the tasks run, never the output."""
-
-    def __init__(self, nbytes: int | None = None) -> None:
-        self.left = KEEP_ESCAPES_BYTES if nbytes is None else nbytes
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> bool:
-        """Reserve ``nbytes`` if that many are left."""
-        with self._lock:
-            if nbytes > self.left:
-                return False
-            self.left -= nbytes
-            return True
-
-
 @dataclass
 class _Scan:
     count: int
     idx: np.ndarray | None  # None when the chunk had more changes than the sparse capacity
     z: np.ndarray | None
     hist: np.ndarray
-    quads: np.ndarray | None = None  # quad symbols, when the chunk is dense enough for the quad mode
-    escapes: int = 0  # number of escapes (with quads)
-    qhist: np.ndarray | None = None  # histogram of the quad symbols
-    ehist: np.ndarray | None = None  # histogram of the escapes' diff symbols
-    esyms: np.ndarray | None = None  # the escapes' diff symbols, in element order
-    ebits: np.ndarray | None = None  # their raw bits (bit-stream words)
-    enbits: int = 0  # number of those bits
+    quad_part: bytes | None = None  # the chunk coded in the quad mode, when it is dense enough for it
 
 
 class TensorEncoder:
-    """Two phases of parallel tasks: ``scan_tasks``, ``plan()``, ``encode_tasks``, then ``blob()``. The
-    tensors of one encode share one ``budget`` (a new one when not given)."""
+    """Two phases of parallel tasks: ``scan_tasks``, ``plan()``, ``encode_tasks``, then ``blob()``."""
 
-    def __init__(
-        self, name: str, prev: np.ndarray, cur: np.ndarray, budget: EscapeBudget | None = None
-    ) -> None:
+    def __init__(self, name: str, prev: np.ndarray, cur: np.ndarray) -> None:
         check_pair(name, prev, cur)
         self.name = name
-        self.budget = EscapeBudget() if budget is None else budget
         self.prev = np.require(prev, requirements="C")
         self.cur = np.require(cur, requirements="C")
         self.spec = key_spec(prev.dtype)
@@ -224,8 +207,11 @@ class TensorEncoder:
         spec = self.spec
         hist = K.new_hist()
         count = -1
-        if _sampled_density(p, c) < DENSE_FROM:  # a dense chunk skips listing its changes
-            p64, c64 = word_views(p, c, spec.lanes)
+        # A dense chunk skips listing its changes; a short one is listed whatever its density, since a mode
+        # needs every chunk (a tensor of 2**20 + 5 elements with 3 changes, one in its 5-element last
+        # chunk, had no sparse or list option and took the per-element dense mode).
+        if b - a <= LIST_ALWAYS or _sampled_density(p, c) < DENSE_FROM:
+            p64, c64 = K.aligned_words(p, c, spec.lanes)
             cap = (b - a) // 4 + 24
             idx, z = np.empty(cap, np.uint32), np.empty(cap, np.uint64)
             count = K.scan_chunk(p, c, p64, c64, 64 // spec.lanes, spec.sign, spec.mask, idx, z)
@@ -237,18 +223,15 @@ class TensorEncoder:
             if count < DENSE_FROM * n:
                 return
         # Too dense to list, or dense enough that the sparse mode may lose: the quad mode is an option too
-        # (it codes exactly the dense model with a quarter of the symbols, so it beats the dense mode).
+        # (it codes exactly the dense model with a quarter of the symbols, so it beats the dense mode). Its
+        # part is made now, while the chunk is in cache: zstd's frames have no size to estimate beforehand.
         listed = count >= 0  # then ``hist`` already holds the listed changes' histogram
-        quads, qhist, ehist, changed, esyms, ebits, enbits = K.quad_scan_chunk(
+        quads, _, _, changed, esyms, ebits, enbits = K.quad_scan_chunk(
             p, c, spec.sign, spec.mask, K.new_hist() if listed else hist
         )
         if not listed:
             self.scans[k] = _Scan(changed, None, None, hist)
-        scan = self.scans[k]
-        scan.quads, scan.escapes, scan.qhist, scan.ehist = quads, esyms.shape[0], qhist, ehist
-        m = esyms.shape[0]
-        if m <= n * KEEP_ESCAPES or self.budget.take(m + ebits.nbytes):  # else scanned again when encoding
-            scan.esyms, scan.ebits, scan.enbits = esyms, ebits, enbits
+        self.scans[k].quad_part = quad_part(quads, esyms, ebits, enbits)
 
     def _encode_fallback(self) -> None:
         pb = self.prev.reshape(-1).view(np.uint8)
@@ -277,18 +260,21 @@ class TensorEncoder:
         # Sizes decide, with a small bias for the faster decoder: sparse below DENSE_FROM, dense above.
         sparse_first = self.changed < DENSE_FROM * self.n
         options: list[tuple[float, int]] = [(8.0 * self.prev.nbytes, RAW)]
-        quad_ok = all(s.quads is not None for s in scans)
+        quad_ok = len(scans) == chunks and all(s.quad_part is not None for s in scans)
         dense_bits, self.dense_freq, self.dense_table = _table_bits(hist[1])
         dense_bits += DENSE_CHUNK_BITS * chunks
         options.append((dense_bits * (DENSE_BIAS if quad_ok else SPEED_BIAS if sparse_first else 1), DENSE))
         if quad_ok:
-            qbits, self.quad_freq, self.quad_table = _table_bits(_total([s.qhist for s in scans]), False)
-            ebits, self.esc_freq, self.esc_table = _table_bits(_total([s.ehist for s in scans]))
-            quad_bits = qbits + ebits + QUAD_CHUNK_BITS * chunks
+            quad_bits = 8.0 * (1 + sum(len(s.quad_part) for s in scans))
             options.append((quad_bits * (SPEED_BIAS if sparse_first else 1), QUAD))
         if all(s.idx is not None for s in scans):
             sparse_bits = self._plan_sparse(hist) + SPARSE_CHUNK_BITS * chunks
             options.append((sparse_bits * (1 if sparse_first else SPEED_BIAS), SPARSE))
+            if self.changed <= K.LIST_MAX and self.n < 1 << 32:  # gaps and z then fit get_varint's 35 bits
+                at = [a for a, _ in self.chunks]
+                idx = np.concatenate([s.idx.astype(np.int64) + a for s, a in zip(scans, at, strict=True)])
+                self._list = K.encode_list(idx, np.concatenate([s.z for s in scans]).astype(np.int64))
+                options.append((8.0 * self._list.shape[0], LIST))
         self.mode = min(options)[1]
         if self.mode == SPARSE:
             self._gap_t = Table.encoding(self.gap_freq)
@@ -296,8 +282,9 @@ class TensorEncoder:
         elif self.mode == DENSE:
             self._dense_t = Table.encoding(self.dense_freq)
         elif self.mode == QUAD:
-            self._quad_t = Table.encoding(self.quad_freq, K.QUAD_ALPHABET)
-            self._esc_t = Table.encoding(self.esc_freq)
+            self.parts = [s.quad_part for s in scans]
+        for s in scans:
+            s.quad_part = None  # the chosen parts are in ``parts``; the others are no longer needed
 
     def _plan_sparse(self, hist: np.ndarray) -> float:
         diff_counts = hist[1].copy()
@@ -316,9 +303,7 @@ class TensorEncoder:
             return [partial(self._encode_sparse, k) for k in range(len(self.chunks))]
         if self.mode == DENSE:
             return [partial(self._encode_dense, k) for k in range(len(self.chunks))]
-        if self.mode == QUAD:
-            return [partial(self._encode_quad, k) for k in range(len(self.chunks))]
-        return []
+        return []  # the quad mode's parts were made in the scan
 
     def _encode_sparse(self, k: int) -> None:
         s = self.scans[k]
@@ -348,24 +333,8 @@ class TensorEncoder:
         syms = np.empty(n, np.uint8)
         K.dense_symbols(p, c, spec.sign, spec.mask, syms)
         w, nbits = K.encode_dense_chunk(p, c, syms, spec.sign, spec.mask, dt.enc, rbuf, bbuf, starts)
-        self.scans[k].quads = None
         streams = [rbuf[j, starts[j] :] for j in range(K.LANES)]
         self.parts[k] = _chunk_part([], streams, bbuf[:w], nbits)
-
-    def _encode_quad(self, k: int) -> None:
-        s = self.scans[k]
-        assert s.quads is not None
-        if s.esyms is None or s.ebits is None:  # not kept from the scan: scan the chunk again
-            a, b = self.chunks[k]
-            spare_q, spare_e = np.zeros(K.QUAD_ALPHABET, np.int64), np.zeros(ALPHABET, np.int64)
-            esyms, ebits, words, s.enbits = K.quad_scan(
-                self.p[a:b], self.c[a:b], self.spec.sign, self.spec.mask, s.quads, spare_q, spare_e
-            )
-            s.esyms, s.ebits = esyms, ebits[:words]
-        ebits = np.ascontiguousarray(s.ebits, "<u8")
-        part = K.encode_quad_part(s.quads, self._quad_t.enc, s.esyms, self._esc_t.enc, ebits, s.enbits)
-        self.parts[k] = memoryview(part)  # not the array: ``bytearray += ndarray`` would be numpy's add
-        s.quads = s.esyms = s.ebits = None
 
     def blob(self) -> bytes:
         out = bytearray()
@@ -374,18 +343,17 @@ class TensorEncoder:
             out += self._fallback
         elif self.mode == RAW:
             out += memoryview(self.cur.reshape(-1).view(np.uint8))
+        elif self.mode == LIST:
+            out += memoryview(self._list)
         elif self.mode in (SPARSE, DENSE, QUAD):
-            if self.mode == QUAD:
-                out += self.quad_table
-                out += self.esc_table
-            elif self.mode == SPARSE:
+            if self.mode == SPARSE:
                 out.append(self.gap_mode)
                 if self.gap_mode == K.GAP_TABLE:
                     out += self.gap_table
                 else:
                     write_varint(out, self.golomb_m)
                 out += self.diff_table
-            else:
+            elif self.mode == DENSE:
                 out += self.dense_table
             out.append(CHUNK_LOG2)
             for part in self.parts:
@@ -406,6 +374,18 @@ def _chunk_part(counts: list[int], streams: list[np.ndarray], bwords: np.ndarray
         out += memoryview(np.ascontiguousarray(st, "<u2"))  # no copy of a little-endian row slice
     out += memoryview(np.ascontiguousarray(bwords, "<u8")).cast("B")[: (nbits + 7) // 8]
     return out
+
+
+def quad_part(quads: np.ndarray, esyms: np.ndarray, ebits: np.ndarray, enbits: int) -> bytes:
+    """One quad chunk (layout in ``tandem.weights.kernels``): ``QUAD_DIRECTORY`` (the escape count, the byte
+    lengths of the quads' and the escapes' zstd frames and the raw bit count), then the two frames and the
+    raw bits' bytes (little-endian words)."""
+    qframe, eframe = zframes.pack(quads), zframes.pack(esyms)
+    out = bytearray(QUAD_DIRECTORY.pack(esyms.shape[0], len(qframe), len(eframe), enbits))
+    out += qframe
+    out += eframe
+    out += memoryview(np.ascontiguousarray(ebits, "<u8")).cast("B")[: (enbits + 7) // 8]
+    return bytes(out)
 
 
 def encode_tensor(prev: np.ndarray, cur: np.ndarray, name: str = "tensor", threads: int = 1) -> bytes:

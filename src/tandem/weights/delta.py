@@ -35,9 +35,9 @@ import zstandard
 
 from tandem.core.errors import TandemError
 from tandem.weights.blob import MODE_NAMES, CorruptDeltaError, parse_header
-from tandem.weights.codec import EscapeBudget, TensorEncoder, run_tasks
+from tandem.weights.codec import TensorEncoder, run_tasks
 from tandem.weights.decode_kernels import scatter_bits
-from tandem.weights.decoder import Patch, TensorDecoder
+from tandem.weights.decoder import Patch, TensorDecoder, output_block
 from tandem.weights.outpath import atomic_output
 from tandem.weights.seam import short_hash, tensors_hash, tensors_hash_as
 
@@ -108,8 +108,7 @@ def encode_delta(
     """Encode every tensor of ``cur`` against ``prev`` on ``threads`` threads. Pass the versions' hashes when
     they are already known (the publisher has them) to skip hashing both models."""
     check_names(prev, cur)
-    budget = EscapeBudget()  # one for the whole version
-    encoders = [TensorEncoder(name, prev[name], cur[name], budget) for name in sorted(cur)]
+    encoders = [TensorEncoder(name, prev[name], cur[name]) for name in sorted(cur)]
     big_first = _by_size(encoders, lambda e: e.n)
     run_tasks([t for e in big_first for t in e.scan_tasks()], threads)
     for e in encoders:
@@ -146,9 +145,10 @@ def _check_target(tensors: dict[str, np.ndarray], delta: Delta) -> None:
 def decode_delta(
     prev: dict[str, np.ndarray], delta: Delta, threads: int = 1, verify: bool = True
 ) -> dict[str, np.ndarray]:
-    """New arrays for the target version (``prev`` is not modified)."""
+    """New arrays for the target version, views of one ``output_block`` (``prev`` is not modified)."""
     _check_base(prev, delta, verify)
-    decoders = [TensorDecoder(name, prev[name], delta.blobs[name]) for name in sorted(delta.blobs)]
+    outs = output_block({name: prev[name] for name in sorted(delta.blobs)})
+    decoders = [TensorDecoder(name, prev[name], delta.blobs[name], out=outs[name]) for name in outs]
     run_tasks([t for d in _by_size(decoders, lambda d: d.header.numel) for t in d.tasks()], threads)
     out = {d.name: d.finish() for d in decoders}
     if verify:

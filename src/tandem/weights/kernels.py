@@ -13,14 +13,19 @@ Invariants:
 - Quad chunk (for dense changes, faster than one symbol per element): each element has a class, 0 for
   ``z = 0``, 1 for ``z = 1`` (one step down), 2 for ``z = 2`` (one step up) and 3 for anything else (an
   escape); four consecutive elements make one quad symbol ``c0 | c1 << 2 | c2 << 4 | c3 << 6`` (missing
-  elements after the end are class 0). Quad ``j`` goes to rANS stream ``j % LANES``; the escapes' ``z``,
-  in element order, are diff symbols in four more streams (escape ``e`` in stream ``e % LANES``) + raw
-  bits. The class model factorises the dense one exactly (no bits lost), with a quarter of the rANS steps.
+  elements after the end are class 0). A chunk's part (``codec.quad_part``) is: four little-endian uint32
+  (``codec.QUAD_DIRECTORY``), the escape count, the byte lengths of two zstd frames
+  (``tandem.weights.zframes``) and the raw bit count; the
+  frame of the quads (one byte each); the frame of the escapes' codes (``escape_code``: one byte each, in
+  element order); the escapes' raw bits. The class model factorises the dense one exactly; zstd's
+  Huffman coder then lands within about 2% of the quads' order-0 entropy.
 - Sparse chunk, per change in index order: the gap (unchanged elements since the previous change) as a
   symbol of the gap rANS stream + raw bits, or as a Golomb code in the bit stream; then the diff as a
   symbol of the diff rANS stream + raw bits. Dense chunk, per element ``i``: the diff symbol in rANS stream
   ``i % LANES`` + raw bits. Raw bits of all symbols share one bit stream, in element order. Each rANS
   stream has its own state, so decoders overlap their dependency chains.
+- List (a handful of changes): per change in index order, the gap (unchanged elements since the previous
+  change) and ``z``, each a LEB128 varint (``encode_list``); no tables, so nothing to build when decoding.
 - Kernels do every array access of their hot loops themselves and call only scalar helpers there (see
   ``tandem.weights.entropy``); ``bw_finish`` runs once per stream, after the loop.
 """
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
-from numba.cpython.unsafe.numbers import trailing_zeros
+from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 
 from tandem.weights.entropy import (
     ALPHABET,
@@ -73,6 +78,23 @@ def to_key(u: int, sign: int, mask: int) -> int:
 @njit(**NJIT)
 def from_key(k: int, sign: int, mask: int) -> int:
     return k ^ sign if k & sign else k ^ mask
+
+
+ESC_DIRECT = 224  # a quad escape whose z is below this is its own code byte (see ``escape_code``)
+ESC_EXP0 = 7  # escape code ESC_DIRECT + k: z = 2**(k + ESC_EXP0) + that many raw bits
+
+
+@njit(**NJIT)
+def escape_code(z: int) -> tuple[int, int, int]:
+    """The code byte of a quad escape's ``z`` (>= 3), its number of raw bits and the bits: ``z`` itself
+    below ``ESC_DIRECT``, else ``ESC_DIRECT + floor(log2 z) - ESC_EXP0`` with the bits below ``z``'s top
+    one (at most 32 for the 33-bit ``z`` of a 32-bit key, so every code fits a byte). Most escapes are a few
+    steps (``z`` in 3..14 for nine in ten of a trained model's), so nearly every code decodes without
+    raw bits, and without a branch that mispredicts."""
+    if z < ESC_DIRECT:
+        return z, 0, 0
+    k = 63 - np.int64(leading_zeros(np.uint64(z)))
+    return ESC_DIRECT + k - ESC_EXP0, k, z - (np.int64(1) << k)
 
 
 @njit(**NJIT)
@@ -303,60 +325,14 @@ def encode_lanes(syms: np.ndarray, enc: np.ndarray, rbuf: np.ndarray, starts: np
 
 
 @njit(**NJIT)
-def _varint_len(v: int) -> int:
-    n = 1
-    while v >= 0x80:
-        v >>= 7
-        n += 1
-    return n
-
-
-@njit(**NJIT)
-def encode_quad_part(
-    quads: np.ndarray, qenc: np.ndarray, esyms: np.ndarray, eenc: np.ndarray, ebits: np.ndarray, enbits: int
-) -> np.ndarray:
-    """A quad chunk's whole part, in one compiled call (its bytes equal ``codec._chunk_part([len(esyms)],
-    quad streams + escape streams, ebits, enbits)``): the quads' four rANS streams (``qenc``), the escapes'
-    four (``eenc``), then the directory and every stream copied into one array. One call instead of two
-    kernels and a Python part: a two-thread encode's tasks no longer queue on the GIL between them (the
-    43 quad chunks of the shipped model's version: 2.3 ms on two threads against 3.0-3.2 ms)."""
-    nq, m = quads.shape[0], esyms.shape[0]
-    qbuf, qstart = np.empty((LANES, nq // LANES + 4), np.uint16), np.zeros(LANES, np.int64)
-    ebuf, estart = np.empty((LANES, m // LANES + 4), np.uint16), np.zeros(LANES, np.int64)
-    encode_lanes(quads, qenc, qbuf, qstart)
-    encode_lanes(esyms, eenc, ebuf, estart)
-    bit_bytes = (enbits + 7) // 8
-    size = _varint_len(m) + _varint_len(enbits) + bit_bytes
-    for j in range(LANES):
-        nqw, new = qbuf.shape[1] - qstart[j], ebuf.shape[1] - estart[j]
-        size += _varint_len(nqw) + _varint_len(new) + 2 * (nqw + new)
-    out = np.empty(size, np.uint8)
-    pos = put_varint(out, 0, m)
-    for j in range(LANES):
-        pos = put_varint(out, pos, qbuf.shape[1] - qstart[j])
-    for j in range(LANES):
-        pos = put_varint(out, pos, ebuf.shape[1] - estart[j])
-    pos = put_varint(out, pos, enbits)
-    for j in range(LANES):  # little-endian words (the machines numba targets are little-endian)
-        row = qbuf[j, qstart[j] :].view(np.uint8)
-        out[pos : pos + row.shape[0]] = row
-        pos += row.shape[0]
-    for j in range(LANES):
-        row = ebuf[j, estart[j] :].view(np.uint8)
-        out[pos : pos + row.shape[0]] = row
-        pos += row.shape[0]
-    out[pos : pos + bit_bytes] = ebits.view(np.uint8)[:bit_bytes]
-    return out
-
-
-@njit(**NJIT)
 def quad_scan(
     p: np.ndarray, c: np.ndarray, sign: int, mask: int, quads: np.ndarray, qhist: np.ndarray,
     ehist: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, int, int]:  # fmt: skip
     """Quad symbols of one chunk into ``quads`` (``ceil(len(p) / 4)``), their histogram into ``qhist``
-    (``QUAD_ALPHABET``) and the histogram of the escapes' diff symbols into ``ehist``. Returns the escapes'
-    diff symbols in element order, their raw bits (``bw_add`` words), the used words and the bit count.
+    (``QUAD_ALPHABET``) and the histogram of the escapes' diff symbols (``bucket``) into ``ehist``. Returns
+    the escapes' codes (``escape_code``) in element order, their raw bits (``bw_add`` words), the used
+    words and the bit count.
     Separate loops, each simple enough for LLVM to vectorise or to run without branches: ``min(z, 255)``
     per element (one byte each), quads from each four such bytes (a byte of 3 or more is class 3, four
     bytes at a time), the histogram, the quads that hold an escape, the escapes' positions within them,
@@ -394,9 +370,9 @@ def quad_scan(
         z = np.int64(zb[i])
         if z == 255:  # saturated: the element's own z
             z = zigzag(to_key(np.int64(c[i]), sign, mask) - to_key(np.int64(p[i]), sign, mask))
-        s, ne, ex = bucket(z)
-        esyms[e] = s
-        ehist[s] += 1
+        ehist[bucket(z)[0]] += 1  # the dense mode's symbols, for the mode choice
+        code, ne, ex = escape_code(z)
+        esyms[e] = code
         acc, nb, word, full = bw_add(acc, nb, ex, ne)
         bbuf[w] = word
         w += full
@@ -424,24 +400,31 @@ def quad_scan_chunk(
 @njit(**NJIT)
 def escape_positions(quads: np.ndarray) -> tuple[np.ndarray, int]:
     """The element positions of the escapes (class 3) of a chunk's quads (fewer than 2**31 elements), in
-    order, and their number (the array may have spare slots). A branch-free pass turns each word of eight
-    quads into a 32-bit mask of its escapes (``_escape_masks``); then each 64-element block lists its set
-    bits, lowest first, one trailing-zero count per escape. Listing the quads that hold an escape and then
-    the classes of each took 1.8x longer on a trained model's delta (about 8% of its elements escape).
-    int32 positions: half the memory traffic of int64."""
+    order, and their number (the array has spare slots). A branch-free pass turns each word of eight quads
+    into a 32-bit mask of its escapes (``_escape_masks``); then each 64-element block writes the positions
+    of its first eight set bits unconditionally (one trailing-zero count each; the slots past its count
+    are overwritten by the next block) and loops only for a ninth and beyond. Looping over each block's set
+    bits until none was left took 0.86 ms per version of the shipped model against 0.25 ms: the loop's
+    exit, once per block, mispredicted. int32 positions: half the memory traffic of int64."""
     nq = quads.shape[0]
     masks, count = _escape_masks(quads)
     nw = masks.shape[0]
-    where = np.empty(count + 4 * (nq - 8 * nw) + 1, np.int32)
+    where = np.empty(count + 4 * (nq - 8 * nw) + 72, np.int32)
     m = 0
     one, half = np.uint64(1), np.uint64(32)
     for b in range(nw // 2):
         t = np.uint64(masks[2 * b]) | (np.uint64(masks[2 * b + 1]) << half)
+        cnt = _popcount(t)
         base = np.int32(64 * b)
-        while t:
-            where[m] = base + np.int32(trailing_zeros(t))
-            m += 1
+        for k in range(8):  # trailing_zeros(0) is some number: those slots are overwritten
+            where[m + k] = base + np.int32(trailing_zeros(t))
             t &= t - one
+        k = 8
+        while t:
+            where[m + k] = base + np.int32(trailing_zeros(t))
+            t &= t - one
+            k += 1
+        m += cnt
     if nw % 2:
         t = np.uint64(masks[nw - 1])
         base = np.int32(32 * (nw - 1))
@@ -455,6 +438,16 @@ def escape_positions(quads: np.ndarray) -> tuple[np.ndarray, int]:
             where[m] = 4 * j + k
             m += ((q >> (2 * k)) & 3) == 3
     return where, m
+
+
+@njit(**NJIT)
+def _popcount(x: int) -> int:
+    """The number of set bits of a 64-bit word (SWAR)."""
+    one = np.uint64(1)
+    c = x - ((x >> one) & np.uint64(0x5555555555555555))
+    c = (c & np.uint64(0x3333333333333333)) + ((c >> np.uint64(2)) & np.uint64(0x3333333333333333))
+    c = (c + (c >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+    return np.int64((c * np.uint64(0x0101010101010101)) >> np.uint64(56))
 
 
 @njit(**NJIT)
@@ -502,3 +495,31 @@ def dense_hist_of_quads(qhist: np.ndarray, ehist: np.ndarray, n: int, hist: np.n
 
 def new_hist() -> np.ndarray:
     return np.zeros((HIST_ROWS, ALPHABET), np.int64)
+
+
+LIST_MAX = 256  # the list mode is tried for tensors with at most this many changes
+
+
+@njit(**NJIT)
+def encode_list(idx: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """The list mode's payload of the changes at sorted flat positions ``idx`` (int64) with changes ``z``
+    (each below 2**35, as ``tables.get_varint`` reads): per change, varint gap then varint ``z``."""
+    out = np.empty(10 * idx.shape[0], np.uint8)
+    k, last = 0, -1
+    for j in range(idx.shape[0]):
+        k = put_varint(out, k, idx[j] - last - 1)
+        k = put_varint(out, k, z[j])
+        last = idx[j]
+    return out[:k]
+
+
+@njit(**NJIT)
+def aligned_words(p: np.ndarray, c: np.ndarray, lanes: int) -> tuple[np.ndarray, np.ndarray]:
+    """uint64 views of the whole words of two chunk slices of ``lanes`` elements per word, or empty arrays
+    if either is not 8-byte aligned (compiled: the same in Python cost 6 us a call, from
+    reading ``ctypes.data``)."""
+    nw = p.shape[0] // lanes
+    if nw == 0 or p.ctypes.data % 8 != 0 or c.ctypes.data % 8 != 0:
+        empty = np.zeros(0, np.uint64)
+        return empty, empty
+    return p[: nw * lanes].view(np.uint64), c[: nw * lanes].view(np.uint64)
