@@ -5,13 +5,16 @@ Invariants:
   (``CorruptDeltaError`` / ``ValueError`` naming the tensor), and every chunk's streams must end exactly
   where the encoder left them; a chunk that fails writes nothing.
 - ``TensorDecoder`` never writes to ``prev``. With ``prepare=False`` it produces a new array; with
-  ``prepare=True`` it produces a ``Patch``: for sparse tensors the flat indices and new bit patterns of the
-  changed elements, for the others the whole new tensor. ``Patch.apply`` is the only step that writes into
-  live weights, so an engine decodes while serving and pauses only for the scatter.
+  ``prepare=True`` it produces a ``Patch``: for sparse and list tensors the flat indices and new bit
+  patterns of the changed elements, for the others the whole new tensor (a view of ``out`` when given).
+  ``Patch.apply`` is the only step that writes into live weights, so an engine decodes while serving and
+  pauses only for the scatter.
 - Work is split into the encoder's chunks; kernels release the GIL, so ``tasks()`` run in parallel.
 - ``changed_positions(blob)`` needs no base: which elements a delta changes is coded apart from their base
-  values (gaps in the sparse mode, per-element classes or symbols in the quad and dense modes, where
-  "unchanged" is its own class).
+  values (gaps in the sparse and list modes, per-element classes or symbols in the quad and dense modes,
+  where "unchanged" is its own class).
+- A quad chunk's zstd frames decode to exactly the bytes the chunk needs or the chunk fails
+  (``tandem.weights.zframes``); nothing is allocated by what a frame claims.
 """
 
 from __future__ import annotations
