@@ -511,21 +511,6 @@ def test_a_quad_blob_with_forged_streams_is_refused_before_it_writes_out_of_boun
         print("refused:", what)
 
 
-def test_zstd_frames_hold_exactly_what_they_claim():
-    """``zframes.unpack`` returns exactly the expected bytes or raises: never more bytes than asked for (a
-    frame of a million bytes asked for ten), never fewer, never with bytes after the frame."""
-    from tandem.weights import zframes
-
-    data = np.random.default_rng(0).integers(0, 4, 1_000_000).astype(np.uint8)
-    frame = zframes.pack(data)
-    assert len(frame) < data.size // 3 and zframes.pack(data) == frame
-    assert zframes.unpack(frame, data.size).tobytes() == data.tobytes()
-    for bad, n in ((frame, 10), (frame, data.size + 1), (frame + b"x", data.size), (b"", 5), (frame, 0)):
-        with pytest.raises(ValueError):
-            zframes.unpack(bad, n)
-    assert zframes.pack(b"") == b"" and zframes.unpack(b"", 0).size == 0
-
-
 @pytest.mark.parametrize("kind", ["bf16", "float32"])
 def test_a_handful_of_changes_take_the_list_mode_smaller_than_sparse(kind):
     """A few changes (a norm weight's step: one to a few elements, some by many steps, across two chunks
