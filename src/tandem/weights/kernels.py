@@ -516,8 +516,8 @@ def encode_list(idx: np.ndarray, z: np.ndarray) -> np.ndarray:
 @njit(**NJIT)
 def aligned_words(p: np.ndarray, c: np.ndarray, lanes: int) -> tuple[np.ndarray, np.ndarray]:
     """uint64 views of the whole words of two chunk slices of ``lanes`` elements per word, or empty arrays
-    if either is not 8-byte aligned (compiled: the same in Python cost 6 us a call, from
-    reading ``ctypes.data``)."""
+    if either is not 8-byte aligned (compiled: the same in Python took 5.9 us a call under line_profiler,
+    mostly reading ``ctypes.data``)."""
     nw = p.shape[0] // lanes
     if nw == 0 or p.ctypes.data % 8 != 0 or c.ctypes.data % 8 != 0:
         empty = np.zeros(0, np.uint64)
