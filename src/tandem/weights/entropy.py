@@ -19,10 +19,17 @@ Invariants:
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 from numba import njit
 from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
+
+from tandem.weights import jitcache
+
+# Before the first kernel of the package is decorated (every kernel module imports this one first): a
+# cached kernel is used only with the kernel sources it was compiled from (``tandem.weights.jitcache``).
+jitcache.install(Path(__file__).parent)
 
 PROB_BITS = 14
 PROB_SCALE = 1 << PROB_BITS
