@@ -556,3 +556,19 @@ def test_a_client_at_or_above_the_floor_rate_is_never_dropped(tmp_path):
         assert limiter.waited_s > 1.0  # it was paced, so the server waited on it
         stats = server.stats.snapshot()
         assert "dropped_stalled_responses" not in stats and "dropped_slow_responses" not in stats
+
+
+def test_a_connection_is_untracked_before_its_socket_is_closed(tmp_path):
+    """Eviction and ``close`` shut down tracked sockets only: a socket its handler closes is untracked first,
+    so neither acts on a descriptor the next accept may already reuse for another client."""
+    with (
+        serve_store(WeightStore.open(tmp_path / "s", create=True)) as server,
+        socket.create_connection((server.host, server.port)),
+    ):
+        deadline = time.monotonic() + 10
+        while not server._connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sock = next(iter(server._connections))
+        server._httpd.shutdown_request(sock)  # what socketserver calls when a handler is done
+        assert sock not in server._connections
+        assert sock._closed  # (the descriptor itself closes once the handler drops its file objects)

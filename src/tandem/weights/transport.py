@@ -25,7 +25,10 @@ arriving; a new connection beyond the cap closes the longest-idle one (its clien
 on a fresh connection), or else one stalled on its client (below), and is refused (closed at once,
 ``refused_connections``) only when every connection is busy and none is stalled. So idle or slowloris
 connections, however many, never keep a well-behaved client out, and an ``accept`` that fails for lack of
-descriptors frees an idle or stalled one and backs off instead of spinning.
+descriptors frees an idle or stalled one and backs off instead of spinning. Eviction and ``close`` shut
+down only tracked sockets, under the connections' mutex, and a handler untracks its socket under that mutex
+before closing it, so neither ever acts on a socket being closed (whose descriptor the next accept may
+reuse).
 
 Sending (every byte of a response: headers, JSON, manifests, blobs) waits on the client only within two
 bounds, so a client that asks for a large blob and then reads it slowly or not at all never holds its
@@ -360,6 +363,13 @@ class _HTTPServer(ThreadingHTTPServer):
         finally:
             self.owner._untrack(request)
 
+    def shutdown_request(self, request: Any) -> None:
+        # Untracked first, under the owner's mutex: eviction and ``close`` shut down only tracked sockets,
+        # holding that mutex, so they never act on a socket its handler is closing (whose descriptor the
+        # next accept may already reuse for another client).
+        self.owner._untrack(request)
+        super().shutdown_request(request)
+
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -652,13 +662,12 @@ class WeightServer:
             return
         self.stopping.set()
         self._httpd.shutdown()
-        with self._conn_mutex:
-            connections = list(self._connections)
-        for sock in connections:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        with self._conn_mutex:  # a handler untracks its socket under it before closing it (shutdown_request)
+            for sock in self._connections:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
         self._httpd.server_close()
         self._thread.join(timeout=5)
 
