@@ -17,6 +17,10 @@ def test_bench_sync_prints_its_json_and_the_delta_is_far_smaller(bench_cli):
     assert 0 < out["density"] < 0.5
     assert 0 < out["delta_bytes"] * 10 < out["full_bytes"] < out["raw_bytes"]
     assert out["pause_ms"] > 0 and out["full_reload_ms"] > 0 and out["tokens_per_s_quiet"] > 0
+    assert out["tokens_per_s_quiet_after"] > 0  # the unpaired baseline, reported beside the paired one
+    during = out["tokens_per_s_during_sync"]
+    for ratio, quiet in (("", "tokens_per_s_quiet"), ("_after", "tokens_per_s_quiet_after")):
+        assert abs(out["tokens_per_s_during_sync_ratio" + ratio] - during / out[quiet]) < 0.01
     assert out["share_mb"] * 2**20 >= out["raw_bytes"]  # the host's shadow lives in the share
     assert out["engines_rss_anon_mb"] > 0
     assert out["trainer_side_nice"] >= out["engine_nice"]  # the publisher runs as niced as the actors

@@ -42,7 +42,12 @@ so the engines only read patches. ``busy_engines`` (default 1) engines run the s
 them busy, as in production, no idle engine is there to lead.
 
 5. ``tokens_per_s_during_sync_ratio``: engine 0 decodes a steady load throughout; its tokens/s while delta
-   syncs are in flight divided by its tokens/s in a quiet window of the same length right after them.
+   syncs are in flight divided by its tokens/s in quiet windows paired with them: after each timed sync, a
+   window of the same length with nothing in flight (``tokens_per_s_quiet``), so each sync is compared
+   with the machine as it was just then (this VM's decode rate drifted by 10-20% within a run: 45-55 ms
+   decode steps early, 40-42 ms late, in one probe). ``tokens_per_s_during_sync_ratio_after`` keeps the
+   earlier baseline, one window of the syncs' total length after the last of them
+   (``tokens_per_s_quiet_after``), which compared every sync with the end of the run.
 6. Host memory after the delta syncs: ``engines_rss_anon_mb``, the engine processes' private memory summed
    (``RssAnon``: their weights, KV caches, any shadow of their own), and ``share_mb``, the host share's
    files (patches and, with a host share, the host's one shadow; ``/dev/shm`` is memory).
@@ -287,6 +292,7 @@ def run_sync_bench(
         time.sleep(1.0)  # the load reaches a steady state
         delta_times, pauses, delta_bytes, busy = [], [], [], 0.0
         tokens_during = 0
+        paired_quiet_s, paired_quiet_tokens = 0.0, 0
         publish_s: list[float] = []
         parts: dict[str, list[float]] = {"fetch_s": [], "decode_s": [], "pause_s": [], "total_s": []}
         shared_steps = 0
@@ -305,7 +311,12 @@ def run_sync_bench(
             delta_bytes.append(report.nbytes)
             busy += tok1[0] - tok0[0]
             tokens_during += tok1[1] - tok0[1]
-        # A quiet window of the same total length right after, for the baseline rate.
+            # Its paired baseline: a quiet window of the same length right after this sync.
+            time.sleep(max(tok1[0] - tok0[0], 0.2))
+            tok2 = ray.get(eng[0].tokens.remote())
+            paired_quiet_s += tok2[0] - tok1[0]
+            paired_quiet_tokens += tok2[1] - tok1[1]
+        # One quiet window of the same total length after all of them (the earlier, unpaired baseline).
         q0 = ray.get(eng[0].tokens.remote())
         time.sleep(max(busy, 1.0))
         q1 = ray.get(eng[0].tokens.remote())
@@ -314,7 +325,8 @@ def run_sync_bench(
         share_mb = (
             sum(f.stat().st_size for f in Path(share).iterdir() if f.is_file()) / 2**20 if share else 0.0
         )
-        quiet_rate = (q1[1] - q0[1]) / max(q1[0] - q0[0], 1e-9)
+        after_rate = (q1[1] - q0[1]) / max(q1[0] - q0[0], 1e-9)
+        quiet_rate = paired_quiet_tokens / max(paired_quiet_s, 1e-9)
         during_rate = tokens_during / max(busy, 1e-9)
 
         # Full checkpoints: the newest version as a snapshot in a store with nothing else, fresh followers.
@@ -361,6 +373,8 @@ def run_sync_bench(
             "tokens_per_s_quiet": round(quiet_rate, 1),
             "tokens_per_s_during_sync": round(during_rate, 1),
             "tokens_per_s_during_sync_ratio": round(during_rate / max(quiet_rate, 1e-9), 3),
+            "tokens_per_s_quiet_after": round(after_rate, 1),
+            "tokens_per_s_during_sync_ratio_after": round(during_rate / max(after_rate, 1e-9), 3),
             "engines_rss_anon_mb": round(anon_mb, 1),
             "share_mb": round(share_mb, 1),
             "trainer_side_nice": os.getpriority(os.PRIO_PROCESS, 0),
