@@ -44,8 +44,8 @@ them busy, as in production, no idle engine is there to lead.
 5. ``tokens_per_s_during_sync_ratio``: engine 0 decodes a steady load throughout; its tokens/s while delta
    syncs are in flight divided by its tokens/s in quiet windows paired with them: after each timed sync, a
    window of the same length with nothing in flight (``tokens_per_s_quiet``), so each sync is compared
-   with the machine as it was just then (this VM's decode rate drifted by 10-20% within a run: 45-55 ms
-   decode steps early, 40-42 ms late, in one probe). ``tokens_per_s_during_sync_ratio_after`` keeps the
+   with the machine as it was just then (this VM's decode rate drifted within a run: 45-51 ms decode
+   steps early, 40-42 ms late, in one probe). ``tokens_per_s_during_sync_ratio_after`` keeps the
    earlier baseline, one window of the syncs' total length after the last of them
    (``tokens_per_s_quiet_after``), which compared every sync with the end of the run.
 6. Host memory after the delta syncs: ``engines_rss_anon_mb``, the engine processes' private memory summed

@@ -42,8 +42,8 @@ def sources_digest(directory: str | Path) -> str:
 
 
 def _numba_locators() -> tuple[type | None, list[type]]:
-    """numba's cache implementation class and its file-backed locator classes, in its order (the names
-    lost their leading underscore in numba 0.61)."""
+    """numba's cache implementation class and its file-backed locator classes, in its order (names as in
+    numba 0.65; the same names with a leading underscore are tried for other releases)."""
     impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)
     names = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")
     found = [getattr(caching, n, None) or getattr(caching, "_" + n, None) for n in names]
