@@ -21,9 +21,12 @@ def test_bench_sync_prints_its_json_and_the_delta_is_far_smaller(bench_cli):
     during = out["tokens_per_s_during_sync"]
     for ratio, quiet in (("", "tokens_per_s_quiet"), ("_after", "tokens_per_s_quiet_after")):
         assert abs(out["tokens_per_s_during_sync_ratio" + ratio] - during / out[quiet]) < 0.01
+    per_sync = out["tokens_per_s_during_sync_ratio_per_sync"]  # one ratio per timed delta
+    assert len(per_sync) == 1 and abs(per_sync[0] - out["tokens_per_s_during_sync_ratio"]) < 0.01
     assert out["share_mb"] * 2**20 >= out["raw_bytes"]  # the host's shadow lives in the share
     assert out["engines_rss_anon_mb"] > 0
     assert out["trainer_side_nice"] >= out["engine_nice"]  # the publisher runs as niced as the actors
+    assert out["loop_priority_boost"] == 0 and out["engine_loop_nice"] == out["engine_nice"]
     parts = out["breakdown"]
     engine_parts = {"engine_fetch_s", "engine_decode_s", "engine_pause_s", "engine_total_s"}
     assert set(parts) == {"publish_s", *engine_parts}
@@ -39,3 +42,5 @@ def test_bench_sync_rejects_bad_counts(bench_cli):
     assert r.returncode == 2 and "warmup_deltas=-1" in r.stderr
     r = bench_cli("sync", "--engines", "2", "--busy-engines", "3", timeout=120)
     assert r.returncode == 2 and "busy_engines=3" in r.stderr
+    r = bench_cli("sync", "--loop-priority-boost", "40", timeout=120)
+    assert r.returncode == 2 and "loop_priority_boost=40" in r.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -143,6 +144,39 @@ def test_continuous_batching_matches_running_alone(engine):
     assert engine.stats()["tokens_generated"] >= 2 * sum(len(c.token_ids) for c in got)
 
 
+def test_loop_priority_boost_raises_the_loop_thread_where_permitted():
+    """``loop_priority_boost`` raises the decode loop's thread, not the process, when the kernel allows it
+    (root here and in CI); ``health()["loop_nice"]`` reports the niceness the loop runs at."""
+    base = os.nice(0)
+    eng = BuiltinEngine(qwen3(), EngineConfig(max_batch=1, max_seq_len=64, loop_priority_boost=3))
+    try:
+        assert eng.health()["loop_nice"] is None  # the loop has not run yet
+        assert len(eng.generate([req([1, 2], n=2)])[0].token_ids) == 2
+        loop = next(t for t in threading.enumerate() if t.name == "tandem-engine")
+        got = os.getpriority(os.PRIO_PROCESS, loop.native_id)
+        assert eng.health()["loop_nice"] == got
+        assert os.nice(0) == base  # the rest of the process keeps its niceness
+        if os.geteuid() == 0:
+            assert got == max(-20, base - 3)
+        else:
+            assert got in (base, max(-20, base - 3))
+    finally:
+        eng.stop()
+    with pytest.raises(ValueError, match="loop_priority_boost"):
+        EngineConfig(loop_priority_boost=-1)
+
+
+def test_last_token_at_is_when_the_last_step_ended(engine):
+    """``stats()["last_token_at"]`` moves with ``tokens_generated`` (a step's end) and not with the clock."""
+    t0 = time.monotonic()
+    engine.generate([req([1, 2, 3], n=5)])
+    t1 = time.monotonic()
+    st = engine.stats()
+    assert t0 < st["last_token_at"] <= t1
+    time.sleep(0.05)
+    assert engine.stats()["last_token_at"] == st["last_token_at"]
+
+
 def test_logprobs_match_hf_recomputation(engine):
     model = engine.model
     for t, p in [(1.0, 1.0), (0.7, 0.8), (1.3, 0.5)]:
@@ -232,7 +266,7 @@ def test_bad_requests_get_error_completions(engine):
     assert [c.finish_reason for c in outs] == ["error"] * len(bad) + ["length"]
     assert all(c.error and c.token_ids == [] for c in outs[:-1])
     assert "outside the vocabulary" in outs[1].error and "max_seq_len" in outs[3].error
-    assert engine.health() == {"ok": True, "version": 0, "active": 0, "queued": 0}
+    assert engine.health() == {"ok": True, "version": 0, "active": 0, "queued": 0, "loop_nice": os.nice(0)}
     assert len(engine.generate([req(p, n=5)])[0].token_ids) == 5
 
 
@@ -255,7 +289,7 @@ def test_parameters_of_the_wrong_type_get_error_completions_naming_them(engine):
     assert [c.finish_reason for c in outs] == ["error"] * (len(bad) + 1)
     for field, c in zip([*(f for f, _ in bad), "prompt_ids"], outs, strict=True):
         assert c.error.startswith(field), (field, c.error)
-    assert engine.health() == {"ok": True, "version": 0, "active": 0, "queued": 0}
+    assert engine.health() == {"ok": True, "version": 0, "active": 0, "queued": 0, "loop_nice": os.nice(0)}
     assert len(engine.generate([req(p, n=5)])[0].token_ids) == 5
 
 
@@ -331,6 +365,7 @@ def test_stop_fails_pending_and_from_path(tmp_path):
         "parked",
         "steps",
         "cancelled",
+        "last_token_at",
     }
 
     with pytest.raises(ModelLoadError, match="nope"):
@@ -457,6 +492,32 @@ def test_plan_defers_what_the_forward_does_not_read(double_buffer):
         for w in writes[1:]:
             assert not w.deferred
             assert bool((w.index[1:] > w.index[:-1]).all()), f"{name}: derived writes out of buffer order"
+
+
+@pytest.mark.parametrize("order", ["ascending", "far_apart", "shuffled"])
+def test_transposed_lists_every_write_at_its_transposed_position(order):
+    """``transposed`` finds each index's row by counting forward from the previous one when it is close
+    ahead and by division otherwise (gaps of many rows, any order): the writes are those of the plain
+    formula ``W[o, i] -> i * stride + offset + o``, in buffer order for ascending indices."""
+    from tandem.engine.writes import transposed
+
+    g = np.random.default_rng(7)
+    out_dim, in_dim, stride, offset = 37, 23, 45, 6
+    n = out_dim * in_dim
+    if order == "far_apart":  # gaps of 9+ rows take the division path
+        idx = np.arange(3, n, 9 * in_dim + 5, dtype=np.int64)
+    else:
+        idx = np.unique(g.integers(0, n, size=n // 20)).astype(np.int64)
+        if order == "shuffled":
+            idx = g.permutation(idx)
+    vals = torch.from_numpy(g.normal(size=idx.size).astype(np.float32))
+    pos, ordered = transposed(torch.from_numpy(idx), vals, in_dim, stride, offset)
+    want = {
+        int(i % in_dim) * stride + offset + int(i // in_dim): float(v) for i, v in zip(idx, vals, strict=True)
+    }
+    assert dict(zip(pos.tolist(), ordered.tolist(), strict=True)) == want
+    if order != "shuffled":
+        assert bool((pos[1:] > pos[:-1]).all())
 
 
 def test_double_buffered_patch_switches_banks_and_leaves_both_equal():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -165,7 +167,7 @@ def test_eviction_and_relocation_under_slot_pressure():
         ref = [plain.generate([req(f, n=5)])[0] for f in reversed(follow)]
         assert [c.token_ids for c in outs] == [c.token_ids for c in ref]
         assert reuse.stats()["parked"] == 2
-        assert reuse.health() == {"ok": True, "version": 0, "active": 0, "queued": 0}
+        assert reuse.health() == {"ok": True, "version": 0, "active": 0, "queued": 0, "loop_nice": os.nice(0)}
     finally:
         reuse.stop()
         plain.stop()
@@ -184,7 +186,7 @@ def test_same_parked_prefix_claimed_once_and_bad_requests_still_fail_cleanly():
         assert reuse.stats()["prefix_hit_tokens"] - h == len(p) + 3  # one request took the parked slot
         assert outs[0].token_ids == outs[5].token_ids == plain.generate([req(follow, n=6)])[0].token_ids
         assert outs[6].token_ids == plain.generate([req(p, n=6)])[0].token_ids
-        assert reuse.health() == {"ok": True, "version": 0, "active": 0, "queued": 0}
+        assert reuse.health() == {"ok": True, "version": 0, "active": 0, "queued": 0, "loop_nice": os.nice(0)}
     finally:
         reuse.stop()
         plain.stop()

@@ -150,6 +150,7 @@ def test_a_request_vllm_refuses_fails_alone(engine):
     hot = engine.submit(GenerationRequest(PROMPT, SamplingParams(max_new_tokens=4, temperature=3.0)))
     done, bad = running.result(timeout=120), hot.result(timeout=120)
     assert done.finish_reason == "length", done.error
+    assert 0 < engine.stats()["last_token_at"] <= time.monotonic()  # the last step's end
     assert bad.finish_reason == "error" and "vLLM refused the request" in bad.error
     assert "temperature" in bad.error
 

@@ -47,7 +47,10 @@ them busy, as in production, no idle engine is there to lead.
    with the machine as it was just then (this VM's decode rate drifted within a run: 45-51 ms decode
    steps early, 40-42 ms late, in one probe). ``tokens_per_s_during_sync_ratio_after`` keeps the
    earlier baseline, one window of the syncs' total length after the last of them
-   (``tokens_per_s_quiet_after``), which compared every sync with the end of the run.
+   (``tokens_per_s_quiet_after``), which compared every sync with the end of the run. Every window runs
+   from one decode step's end to another's (the engine's ``last_token_at``), so it counts whole steps:
+   with a reading's own time as its edge, a window of about ten 4-token steps counted up to a step too many
+   or too few at each edge. ``tokens_per_s_during_sync_ratio_per_sync`` lists each sync's own ratio.
 6. Host memory after the delta syncs: ``engines_rss_anon_mb``, the engine processes' private memory summed
    (``RssAnon``: their weights, KV caches, any shadow of their own), and ``share_mb``, the host share's
    files (patches and, with a host share, the host's one shadow; ``/dev/shm`` is memory).
@@ -88,13 +91,14 @@ BANDWIDTH_WHY = "slower takes hours per version through a relay, faster no longe
 class _BenchEngine:
     """An engine process: a built-in engine that follows a weight store, plus a steady decode load."""
 
-    def __init__(self, model_path: str) -> None:
+    def __init__(self, model_path: str, loop_priority_boost: int = 0) -> None:
         import torch
 
         torch.set_num_threads(1)
         from tandem.engine import BuiltinEngine
 
-        self.engine = BuiltinEngine.from_path(model_path, EngineConfig(max_batch=8, max_seq_len=256))
+        cfg = EngineConfig(max_batch=8, max_seq_len=256, loop_priority_boost=loop_priority_boost)
+        self.engine = BuiltinEngine.from_path(model_path, cfg)
         self.engine.start()
         self.sync_obj: Any = None
         self._load = False
@@ -121,6 +125,10 @@ class _BenchEngine:
         """This engine process's nice value (Ray starts its workers niced, e.g. 15)."""
         return os.getpriority(os.PRIO_PROCESS, 0)
 
+    def loop_nice(self) -> int | None:
+        """The niceness the engine's decode loop runs at (``EngineConfig.loop_priority_boost``)."""
+        return self.engine.health()["loop_nice"]
+
     def start_load(self) -> None:
         import threading
 
@@ -138,7 +146,11 @@ class _BenchEngine:
         self._thread.start()
 
     def tokens(self) -> tuple[float, int]:
-        return time.monotonic(), int(self.engine.stats()["tokens_generated"])
+        """(when the engine's last decode step ended, ``time.monotonic``; tokens generated up to it): windows
+        between two readings hold whole decode steps (a reading's own time would cut a step, and at 4
+        tokens a step a window of 10 steps would count up to 10% too many or too few)."""
+        stats = self.engine.stats()
+        return float(stats["last_token_at"]), int(stats["tokens_generated"])
 
     def stop_load(self) -> None:
         self._load = False
@@ -219,14 +231,19 @@ def run_sync_bench(
     warmup_deltas: int = 1,
     host_leader: bool = False,
     busy_engines: int = 1,
+    loop_priority_boost: int = 0,
 ) -> dict[str, Any]:
     """Run the benchmark of the module docstring; returns its JSON object. ``model_path`` is the shipped
-    model (``size="default"`` serves it; other sizes take its tokenizer)."""
+    model (``size="default"`` serves it; other sizes take its tokenizer). ``loop_priority_boost`` is every
+    engine's ``EngineConfig.loop_priority_boost``."""
     from tandem.weights import WeightStore, serve_store
     from tandem.weights.publish import WeightPublisher
 
     args = (relays, engines, bandwidth_mbps, deltas, lr, warmup, size, warmup_deltas, busy_engines)
     check_args(model_path, *args)
+    if not 0 <= loop_priority_boost <= 39:
+        shown = limits.shown(loop_priority_boost)
+        raise limits.BenchInputError(f"loop_priority_boost={shown} must be in [0, 39] (0: the process's own)")
     gc_freeze_enabled()  # a bad TANDEM_GC_FREEZE is a ValueError before anything starts
     lr = DEFAULT_LR[size] if lr is None else lr
     own_nice = os.getpriority(os.PRIO_PROCESS, 0)
@@ -243,7 +260,7 @@ def run_sync_bench(
         if not ray.is_initialized():
             # "local": the benchmark's own processes, never a cluster RAY_ADDRESS or `ray start` names
             ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-        eng = [_BenchEngine.remote(model_path) for _ in range(engines)]
+        eng = [_BenchEngine.remote(model_path, loop_priority_boost) for _ in range(engines)]
         actors += eng
         # The trainer side (publisher, store servers) runs in this thread and the threads it starts, at the
         # priority Ray gives its actors, as in `tandem train`, where they live in the trainer actor.
@@ -293,6 +310,7 @@ def run_sync_bench(
         delta_times, pauses, delta_bytes, busy = [], [], [], 0.0
         tokens_during = 0
         paired_quiet_s, paired_quiet_tokens = 0.0, 0
+        per_sync: list[float] = []  # each sync's rate over its own quiet window's
         publish_s: list[float] = []
         parts: dict[str, list[float]] = {"fetch_s": [], "decode_s": [], "pause_s": [], "total_s": []}
         shared_steps = 0
@@ -314,6 +332,10 @@ def run_sync_bench(
             # Its paired baseline: a quiet window of the same length right after this sync.
             time.sleep(max(tok1[0] - tok0[0], 0.2))
             tok2 = ray.get(eng[0].tokens.remote())
+            per_sync.append(
+                ((tok1[1] - tok0[1]) / max(tok1[0] - tok0[0], 1e-9))
+                / max((tok2[1] - tok1[1]) / max(tok2[0] - tok1[0], 1e-9), 1e-9)
+            )
             paired_quiet_s += tok2[0] - tok1[0]
             paired_quiet_tokens += tok2[1] - tok1[1]
         # One quiet window of the same total length after all of them (the earlier, unpaired baseline).
@@ -373,12 +395,15 @@ def run_sync_bench(
             "tokens_per_s_quiet": round(quiet_rate, 1),
             "tokens_per_s_during_sync": round(during_rate, 1),
             "tokens_per_s_during_sync_ratio": round(during_rate / max(quiet_rate, 1e-9), 3),
+            "tokens_per_s_during_sync_ratio_per_sync": [round(x, 3) for x in per_sync],
             "tokens_per_s_quiet_after": round(after_rate, 1),
             "tokens_per_s_during_sync_ratio_after": round(during_rate / max(after_rate, 1e-9), 3),
             "engines_rss_anon_mb": round(anon_mb, 1),
             "share_mb": round(share_mb, 1),
             "trainer_side_nice": os.getpriority(os.PRIO_PROCESS, 0),
             "engine_nice": trainer_nice,
+            "loop_priority_boost": loop_priority_boost,
+            "engine_loop_nice": ray.get(eng[0].loop_nice.remote()),  # what engine 0's loop got
         }
         out["breakdown"] = {  # means over the delta syncs (engine parts: mean over engines)
             "publish_s": round(float(np.mean(publish_s)), 4),

@@ -396,6 +396,9 @@ def bench_sync(
     busy_engines: Annotated[
         int, typer.Option(help="Engines under a steady decode load (engine 0's rate is the one reported).")
     ] = 1,
+    loop_priority_boost: Annotated[
+        int, typer.Option(help="engine.loop_priority_boost of every engine (0-39; 0: the process's own).")
+    ] = 0,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Publish -> relays -> engines: time to serve a new version as a delta vs as a full checkpoint."""
@@ -416,6 +419,7 @@ def bench_sync(
             warmup_deltas=warmup_deltas,
             host_leader=host_leader,
             busy_engines=busy_engines,
+            loop_priority_boost=loop_priority_boost,
         )
     except (TandemError, ValueError) as e:
         fail(str(e))

@@ -450,6 +450,14 @@ class EngineConfig(Section):
     and write a delta update into the idle copy while serving, so the update pauses serving only to switch
     copies. Costs one more copy of those weights in memory. Off, or for models it does not apply to (served
     by the HF forward, mixture-of-experts), the changed elements are written in place inside the pause."""
+    loop_priority_boost: int = Field(default=0, ge=0, le=39)
+    """Niceness levels the engine's decode-loop thread runs above its process (0: the process's own), where
+    the kernel allows raising it (root, CAP_SYS_NICE or RLIMIT_NICE; otherwise it stays, and
+    ``health()["loop_nice"]`` says so). Ray starts every worker at nice 15, which leaves an engine's
+    background work (weight sync) at most SCHED_IDLE below its loop, and even SCHED_IDLE work that lands on
+    the loop's core takes about 8% of it: on a host that only serves (no trainer on its cores), 10 keeps the
+    loop's decode rate through weight syncs (``tandem bench sync --loop-priority-boost``, docs/results.md).
+    On a host shared with the trainer it also favours decoding over training, hence off by default."""
     num_engines: int = 1
     """Number of engine actors."""
     vllm_kv_cache_gib: int = Field(default=0, ge=0)

@@ -483,6 +483,7 @@ class BuiltinEngine(RequestFront):
                 finished.append(first + k)  # a cancelled one (its caller gave up) stops here, unanswered
         with self._cv:
             self._stats["tokens_generated"] += len(sessions)
+            self._stats["last_token_at"] = time.monotonic()
         sequences: dict[int, list[int]] = {}
         for slot in finished:
             s = self._active[slot]

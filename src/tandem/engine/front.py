@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.core.generation import Completion, GenerationRequest
+from tandem.core.procs import raise_thread_priority
 
 
 @dataclass
@@ -107,6 +108,7 @@ class RequestFront:
         self._last_submit = 0.0
         self._recent_finishes: collections.deque[float] = collections.deque(maxlen=4096)
         self._t0 = time.monotonic()
+        self._loop_nice: int | None = None  # the loop thread's niceness once it runs (loop_priority_boost)
         self._stats: dict[str, float] = {
             "busy_s": 0.0,
             "tokens_generated": 0,
@@ -114,6 +116,9 @@ class RequestFront:
             "prefix_hit_tokens": 0,
             "steps": 0,
             "cancelled": 0,
+            # ``time.monotonic()`` when ``tokens_generated`` last grew (0.0 before the first token): a rate
+            # measured between two readings' step ends counts whole steps, not a fraction of one at each end
+            "last_token_at": 0.0,
         }
 
     _thread_name = "tandem-engine"
@@ -189,7 +194,10 @@ class RequestFront:
         self._recent_finishes.append(time.monotonic())
 
     def _loop_setup(self) -> None:
-        """Runs once in the loop thread before the first iteration."""
+        """Runs once in the loop thread before the first iteration: raises the thread's priority by
+        ``config.loop_priority_boost`` where permitted (``loop_nice`` records what it got)."""
+        boost = int(getattr(getattr(self, "config", None), "loop_priority_boost", 0))
+        self._loop_nice = raise_thread_priority(boost)
 
     def _refusal(self) -> str:
         """Why a stopped engine refuses a request (an engine that cannot be started again says why)."""
@@ -232,4 +240,5 @@ class RequestFront:
                 "version": self._version,
                 "active": len(self._active),
                 "queued": len(self._queue),
+                "loop_nice": self._loop_nice,
             }

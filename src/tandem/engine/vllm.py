@@ -526,6 +526,7 @@ class VllmEngine(RequestFront):
     _thread_name = "tandem-vllm"
 
     def _loop_setup(self) -> None:
+        super()._loop_setup()
         # vLLM's CPU attention checks that a step runs with the OpenMP thread count it was set up with; a new
         # thread starts with the process default, so set it here.
         torch.set_num_threads(max(1, self.config.threads))
@@ -718,6 +719,8 @@ class VllmEngine(RequestFront):
         with self._cv:
             self._stats["steps"] += 1
             self._stats["tokens_generated"] += new_tokens
+            if new_tokens:
+                self._stats["last_token_at"] = time.monotonic()
 
     def _fail_active(self, msg: str) -> None:
         sessions, self._active = self._active, {}
