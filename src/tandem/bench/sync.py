@@ -51,6 +51,10 @@ them busy, as in production, no idle engine is there to lead.
    from one decode step's end to another's (the engine's ``last_token_at``), so it counts whole steps:
    with a reading's own time as its edge, a window of about ten 4-token steps counted up to a step too many
    or too few at each edge. ``tokens_per_s_during_sync_ratio_per_sync`` lists each sync's own ratio.
+   ``loop_priority_boost`` (``--loop-priority-boost``, default 0) is every engine's
+   ``EngineConfig.loop_priority_boost``; ``engine_loop_nice`` is the niceness engine 0's loop got. At 0 the
+   loop shares its run queue with the sync's threads at Ray's nice 15 or ``SCHED_IDLE`` (about 8% of each
+   sync spent waiting there, ``perf sched`` on 2026-12-02); raised by 10 it runs ahead of them.
 6. Host memory after the delta syncs: ``engines_rss_anon_mb``, the engine processes' private memory summed
    (``RssAnon``: their weights, KV caches, any shadow of their own), and ``share_mb``, the host share's
    files (patches and, with a host share, the host's one shadow; ``/dev/shm`` is memory).
