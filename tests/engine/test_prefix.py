@@ -9,13 +9,18 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
-from tandem.core.config import EngineConfig
+from tandem.core.config import AUTO_LOOP_PRIORITY_BOOST, EngineConfig
 from tandem.core.generation import GenerationRequest, SamplingParams
 from tandem.engine import BuiltinEngine
 from tandem.engine.prefix import MIN_REUSE
 from tandem.engine.runner import FastRunner, HFRunner
 
 V = 512
+
+# an engine's loop with the automatic boost (no trainer on this host): raised where permitted (root
+# here and in CI)
+AUTO_LOOP_NICE = max(-20, os.nice(0) - AUTO_LOOP_PRIORITY_BOOST) if os.geteuid() == 0 else os.nice(0)
+IDLE_HEALTH = {"ok": True, "version": 0, "active": 0, "queued": 0, "loop_nice": AUTO_LOOP_NICE}
 
 
 def make(kind: str = "qwen3"):
@@ -167,7 +172,7 @@ def test_eviction_and_relocation_under_slot_pressure():
         ref = [plain.generate([req(f, n=5)])[0] for f in reversed(follow)]
         assert [c.token_ids for c in outs] == [c.token_ids for c in ref]
         assert reuse.stats()["parked"] == 2
-        assert reuse.health() == {"ok": True, "version": 0, "active": 0, "queued": 0, "loop_nice": os.nice(0)}
+        assert reuse.health() == IDLE_HEALTH
     finally:
         reuse.stop()
         plain.stop()
@@ -186,7 +191,7 @@ def test_same_parked_prefix_claimed_once_and_bad_requests_still_fail_cleanly():
         assert reuse.stats()["prefix_hit_tokens"] - h == len(p) + 3  # one request took the parked slot
         assert outs[0].token_ids == outs[5].token_ids == plain.generate([req(follow, n=6)])[0].token_ids
         assert outs[6].token_ids == plain.generate([req(p, n=6)])[0].token_ids
-        assert reuse.health() == {"ok": True, "version": 0, "active": 0, "queued": 0, "loop_nice": os.nice(0)}
+        assert reuse.health() == IDLE_HEALTH
     finally:
         reuse.stop()
         plain.stop()

@@ -53,3 +53,28 @@ def test_an_engine_blocked_by_a_stopped_one_is_not_killed_with_it(tmp_path, join
             with contextlib.suppress(ProcessLookupError):
                 os.kill(stopped["pid"], signal.SIGKILL)
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_an_automatic_loop_boost_applies_only_away_from_the_trainer(joined_ray):
+    """``engine.loop_priority_boost`` unset (automatic): a run's engine starts with its loop at its process's
+    niceness (it may sit beside the trainer); told that the trainer is on its own node it stays there, told
+    that the trainer is on another node its loop is raised by ``AUTO_LOOP_PRIORITY_BOOST`` (root here)."""
+    from tandem.core.config import AUTO_LOOP_PRIORITY_BOOST
+
+    cfg = build_config("smoke", None, [])
+    assert cfg.engine.loop_priority_boost is None
+    ray.init(address=joined_ray)
+    try:
+        engine = EngineActor.remote(cfg, seed=0)
+        proc_nice = ray.get(engine.__ray_call__.remote(lambda _: os.getpriority(os.PRIO_PROCESS, 0)))
+        assert ray.get(engine.stats.remote())["loop_nice"] == proc_nice
+        fleet = EngineFleet([engine], answer_within_s=30)
+        fleet.place(ray.get_runtime_context().get_node_id())  # one node: the trainer would be here
+        assert ray.get(engine.stats.remote())["loop_nice"] == proc_nice
+        fleet.place("f" * 56)  # a node id that is not this one
+        boosted = max(-20, proc_nice - AUTO_LOOP_PRIORITY_BOOST)
+        assert ray.get(engine.stats.remote())["loop_nice"] == (boosted if os.geteuid() == 0 else proc_nice)
+        assert fleet.trainer_node == "f" * 56  # told again to an engine restarted later
+    finally:
+        ray.shutdown()

@@ -51,10 +51,13 @@ them busy, as in production, no idle engine is there to lead.
    from one decode step's end to another's (the engine's ``last_token_at``), so it counts whole steps:
    with a reading's own time as its edge, a window of about ten 4-token steps counted up to a step too many
    or too few at each edge. ``tokens_per_s_during_sync_ratio_per_sync`` lists each sync's own ratio.
-   ``loop_priority_boost`` (``--loop-priority-boost``, default 0) is every engine's
-   ``EngineConfig.loop_priority_boost``; ``engine_loop_nice`` is the niceness engine 0's loop got. At 0 the
-   loop shares its run queue with the sync's threads at Ray's nice 15 or ``SCHED_IDLE`` (about 8% of each
-   sync spent waiting there, ``perf sched`` on 2026-12-02); raised by 10 it runs ahead of them.
+   ``--loop-priority-boost`` sets every engine's ``EngineConfig.loop_priority_boost``; unset (the
+   default) it is None, which on these engines (no trainer on their host, as on an inference node) means
+   ``AUTO_LOOP_PRIORITY_BOOST`` (10). The JSON's ``loop_priority_boost`` is the boost engine 0's loop was
+   given, ``loop_priority_boost_auto`` whether it was chosen that way, and ``engine_loop_nice`` the
+   niceness the loop got. At 0 the loop shares its run queue with the sync's threads at Ray's nice 15 or
+   ``SCHED_IDLE`` (about 8% of each sync spent waiting there, ``perf sched`` on 2026-12-02); raised by 10 it
+   runs ahead of them.
 6. Host memory after the delta syncs: ``engines_rss_anon_mb``, the engine processes' private memory summed
    (``RssAnon``: their weights, KV caches, any shadow of their own), and ``share_mb``, the host share's
    files (patches and, with a host share, the host's one shadow; ``/dev/shm`` is memory).
@@ -95,7 +98,7 @@ BANDWIDTH_WHY = "slower takes hours per version through a relay, faster no longe
 class _BenchEngine:
     """An engine process: a built-in engine that follows a weight store, plus a steady decode load."""
 
-    def __init__(self, model_path: str, loop_priority_boost: int = 0) -> None:
+    def __init__(self, model_path: str, loop_priority_boost: int | None = None) -> None:
         import torch
 
         torch.set_num_threads(1)
@@ -132,6 +135,10 @@ class _BenchEngine:
     def loop_nice(self) -> int | None:
         """The niceness the engine's decode loop runs at (``EngineConfig.loop_priority_boost``)."""
         return self.engine.health()["loop_nice"]
+
+    def loop_boost(self) -> int:
+        """The boost the engine's loop was given (``RequestFront.loop_boost``: None resolved)."""
+        return self.engine.loop_boost()
 
     def start_load(self) -> None:
         import threading
@@ -235,17 +242,17 @@ def run_sync_bench(
     warmup_deltas: int = 1,
     host_leader: bool = False,
     busy_engines: int = 1,
-    loop_priority_boost: int = 0,
+    loop_priority_boost: int | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark of the module docstring; returns its JSON object. ``model_path`` is the shipped
     model (``size="default"`` serves it; other sizes take its tokenizer). ``loop_priority_boost`` is every
-    engine's ``EngineConfig.loop_priority_boost``."""
+    engine's ``EngineConfig.loop_priority_boost`` (None: automatic, see the module docstring)."""
     from tandem.weights import WeightStore, serve_store
     from tandem.weights.publish import WeightPublisher
 
     args = (relays, engines, bandwidth_mbps, deltas, lr, warmup, size, warmup_deltas, busy_engines)
     check_args(model_path, *args)
-    if not 0 <= loop_priority_boost <= 39:
+    if loop_priority_boost is not None and not 0 <= loop_priority_boost <= 39:
         shown = limits.shown(loop_priority_boost)
         raise limits.BenchInputError(f"loop_priority_boost={shown} must be in [0, 39] (0: the process's own)")
     gc_freeze_enabled()  # a bad TANDEM_GC_FREEZE is a ValueError before anything starts
@@ -406,7 +413,8 @@ def run_sync_bench(
             "share_mb": round(share_mb, 1),
             "trainer_side_nice": os.getpriority(os.PRIO_PROCESS, 0),
             "engine_nice": trainer_nice,
-            "loop_priority_boost": loop_priority_boost,
+            "loop_priority_boost": ray.get(eng[0].loop_boost.remote()),
+            "loop_priority_boost_auto": loop_priority_boost is None,
             "engine_loop_nice": ray.get(eng[0].loop_nice.remote()),  # what engine 0's loop got
         }
         out["breakdown"] = {  # means over the delta syncs (engine parts: mean over engines)

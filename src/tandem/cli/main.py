@@ -397,8 +397,12 @@ def bench_sync(
         int, typer.Option(help="Engines under a steady decode load (engine 0's rate is the one reported).")
     ] = 1,
     loop_priority_boost: Annotated[
-        int, typer.Option(help="engine.loop_priority_boost of every engine (0-39; 0: the process's own).")
-    ] = 0,
+        int | None,
+        typer.Option(
+            help="engine.loop_priority_boost of every engine (0-39; 0: the process's own; unset: automatic, "
+            "10 on a host without a trainer, as here)."
+        ),
+    ] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Publish -> relays -> engines: time to serve a new version as a delta vs as a full checkpoint."""

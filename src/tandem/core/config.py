@@ -403,6 +403,12 @@ class RewardConfig(Section):
         return self
 
 
+AUTO_LOOP_PRIORITY_BOOST = 10
+"""``EngineConfig.loop_priority_boost`` when it is None and no trainer shares the engine's host. In
+``tandem bench sync`` (2026-12-02, docs/results.md) engine 0 decoded at 0.945 and 0.972 of its quiet rate
+during syncs with 10, 0.987 in one probe with 5, and 0.78-0.91 with 0."""
+
+
 class EngineConfig(Section):
     kind: Literal["auto", "builtin", "vllm"] = "auto"
     """Inference engine: ``builtin`` (tandem's continuous-batching transformers engine), ``vllm`` (vLLM's
@@ -450,14 +456,16 @@ class EngineConfig(Section):
     and write a delta update into the idle copy while serving, so the update pauses serving only to switch
     copies. Costs one more copy of those weights in memory. Off, or for models it does not apply to (served
     by the HF forward, mixture-of-experts), the changed elements are written in place inside the pause."""
-    loop_priority_boost: int = Field(default=0, ge=0, le=39)
+    loop_priority_boost: int | None = Field(default=None, ge=0, le=39)
     """Niceness levels the engine's decode-loop thread runs above its process (0: the process's own), where
     the kernel allows raising it (root, CAP_SYS_NICE or RLIMIT_NICE; otherwise it stays, and
-    ``health()["loop_nice"]`` says so). Ray starts every worker at nice 15, which leaves an engine's
-    background work (weight sync) at most SCHED_IDLE below its loop, and even SCHED_IDLE work that lands on
-    the loop's core takes about 8% of it: on a host that only serves (no trainer on its cores), 10 keeps the
-    loop's decode rate through weight syncs (``tandem bench sync --loop-priority-boost``, docs/results.md).
-    On a host shared with the trainer it also favours decoding over training, hence off by default."""
+    ``health()["loop_nice"]`` says so). None (the default) chooses by host: ``AUTO_LOOP_PRIORITY_BOOST``
+    (10) for an engine with no trainer on its host (``tandem serve``, the benchmarks, ``tandem train``'s
+    engines on other nodes than the trainer's), 0 for ``tandem train``'s engines beside the trainer (where a
+    boost would favour decoding over training; they run at 0 until the run has told them where the trainer
+    is). Ray starts every worker at nice 15, which leaves an engine's background work (weight sync) at most
+    SCHED_IDLE below its loop, and even SCHED_IDLE work that lands on the loop's core takes about 8% of it:
+    10 keeps the loop's decode rate through weight syncs (``tandem bench sync``, docs/results.md)."""
     num_engines: int = 1
     """Number of engine actors."""
     vllm_kv_cache_gib: int = Field(default=0, ge=0)

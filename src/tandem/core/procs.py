@@ -17,6 +17,7 @@ import atexit
 import gc
 import math
 import os
+import sys
 import threading
 from typing import NamedTuple
 
@@ -108,19 +109,23 @@ def lower_thread_priority(nice: int) -> None:
         pass
 
 
-def raise_thread_priority(levels: int) -> int:
-    """Make the calling thread ``levels`` niceness levels more favoured than its process (down to -20), where
-    the kernel allows it (root, ``CAP_SYS_NICE``, or ``RLIMIT_NICE``); returns the thread's niceness after
-    (the process's when nothing could be raised). Linux only: elsewhere nothing changes."""
+def boost_thread_priority(tid: int, levels: int) -> int:
+    """Set thread ``tid`` (a native id of this process) ``levels`` niceness levels more favoured than its
+    process (down to -20; 0 gives it the process's niceness back), where the kernel allows it (root,
+    ``CAP_SYS_NICE``, or ``RLIMIT_NICE``; making a thread less favoured is always allowed). Returns the
+    thread's niceness after (unchanged when not permitted). Linux only: elsewhere nothing changes and the
+    process's niceness is returned."""
     base = os.getpriority(os.PRIO_PROCESS, os.getpid())
-    if levels <= 0 or not hasattr(threading, "get_native_id"):
+    if not hasattr(threading, "get_native_id") or sys.platform != "linux":
         return base
-    tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, tid, max(-20, base - levels))
-    except OSError:  # not permitted: the thread keeps the process's niceness
+        os.setpriority(os.PRIO_PROCESS, tid, max(-20, base - max(0, levels)))
+    except OSError:  # not permitted: the thread keeps its niceness
+        pass
+    try:
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except OSError:  # the thread has ended
         return base
-    return os.getpriority(os.PRIO_PROCESS, tid)
 
 
 GC_FREEZE_ENV = "TANDEM_GC_FREEZE"

@@ -27,6 +27,10 @@ Invariants:
   (the concatenated calls are the completion's ``token_ids``). ``f`` must return at once (the gateway only
   hands the ids to its event loop with ``call_soon_threadsafe``); an exception it raises is swallowed and
   stops further calls, never the request. Without ``on_tokens`` nothing is done per token.
+- The loop thread runs ``loop_boost()`` niceness levels above its process where permitted
+  (``EngineConfig.loop_priority_boost``; None picks by host: ``AUTO_LOOP_PRIORITY_BOOST`` unless
+  ``set_beside_trainer(True)`` says a trainer shares the host, then 0). ``set_beside_trainer`` applies to a
+  running loop at once; ``health()["loop_nice"]`` is the niceness the loop thread has (None before it runs).
 
 An engine using ``RequestFront`` calls ``_init_front`` and provides ``config.max_batch``, ``_updates``
 (list of queued weight updates), ``_version``, ``_iteration(updates, admitted)`` (apply the updates, admit the
@@ -44,8 +48,9 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.core.config import AUTO_LOOP_PRIORITY_BOOST
 from tandem.core.generation import Completion, GenerationRequest
-from tandem.core.procs import raise_thread_priority
+from tandem.core.procs import boost_thread_priority
 
 
 @dataclass
@@ -109,6 +114,8 @@ class RequestFront:
         self._recent_finishes: collections.deque[float] = collections.deque(maxlen=4096)
         self._t0 = time.monotonic()
         self._loop_nice: int | None = None  # the loop thread's niceness once it runs (loop_priority_boost)
+        self._loop_tid: int | None = None  # its native thread id, once it runs
+        self._beside_trainer = False  # a trainer shares this engine's host (set_beside_trainer)
         self._stats: dict[str, float] = {
             "busy_s": 0.0,
             "tokens_generated": 0,
@@ -195,9 +202,29 @@ class RequestFront:
 
     def _loop_setup(self) -> None:
         """Runs once in the loop thread before the first iteration: raises the thread's priority by
-        ``config.loop_priority_boost`` where permitted (``loop_nice`` records what it got)."""
-        boost = int(getattr(getattr(self, "config", None), "loop_priority_boost", 0))
-        self._loop_nice = raise_thread_priority(boost)
+        ``loop_boost()`` where permitted (``loop_nice`` records what it got)."""
+        with self._cv:
+            self._loop_tid = threading.get_native_id()
+            self._loop_nice = boost_thread_priority(self._loop_tid, self.loop_boost())
+
+    def loop_boost(self) -> int:
+        """The niceness levels the loop thread is meant to run above its process: the configured
+        ``loop_priority_boost``, or when that is None, ``AUTO_LOOP_PRIORITY_BOOST`` with no trainer on this
+        host and 0 beside one."""
+        boost = getattr(getattr(self, "config", None), "loop_priority_boost", 0)
+        if boost is None:
+            return 0 if self._beside_trainer else AUTO_LOOP_PRIORITY_BOOST
+        return int(boost)
+
+    def set_beside_trainer(self, beside: bool) -> int | None:
+        """Record whether a trainer runs on this engine's host; a running loop's thread gets its
+        ``loop_boost()`` at once (which changes only with ``loop_priority_boost=None``). Returns
+        ``loop_nice``."""
+        with self._cv:
+            self._beside_trainer = bool(beside)
+            if self._loop_tid is not None:
+                self._loop_nice = boost_thread_priority(self._loop_tid, self.loop_boost())
+            return self._loop_nice
 
     def _refusal(self) -> str:
         """Why a stopped engine refuses a request (an engine that cannot be started again says why)."""

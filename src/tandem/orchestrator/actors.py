@@ -75,6 +75,9 @@ class EngineActor:
             seed=seed,
             deterministic=cfg.train.deterministic,  # one flag for the trainer and the engines
         )
+        # An automatic loop boost stays off until the driver says the trainer is on another node
+        # (``place_loop``): on the trainer's host it would favour decoding over training.
+        self.engine.set_beside_trainer(True)
         self.engine.start()
         self.weight_sync = None
         self.serving = asyncio.Event()
@@ -122,6 +125,12 @@ class EngineActor:
         t0 = time.monotonic()
         await asyncio.to_thread(self.engine.update_weights, update.version, update.tensors)
         return time.monotonic() - t0
+
+    async def place_loop(self, trainer_node: str) -> int | None:
+        """The trainer runs on Ray node ``trainer_node``: an engine on another node gets the automatic loop
+        boost (``EngineConfig.loop_priority_boost`` None), one beside it none. Returns the loop's niceness."""
+        beside = ray.get_runtime_context().get_node_id() == trainer_node
+        return self.engine.set_beside_trainer(beside)
 
     async def ping(self) -> dict[str, Any]:
         """Answers at once while the actor's process runs, whatever its other calls are waiting on (the
@@ -543,6 +552,10 @@ class TrainerActor:
 
     def version(self) -> int:
         return self.trainer.version
+
+    def node_id(self) -> str:
+        """The Ray node this trainer runs on (engines on it keep their loop unboosted: ``place_loop``)."""
+        return ray.get_runtime_context().get_node_id()
 
     def step(self, groups: list[Group]) -> dict[str, Any]:
         return self.trainer.step(groups)

@@ -73,6 +73,8 @@ class EngineFleet:
         """The most restarts Ray makes of each engine (the actors' ``max_restarts``)."""
         self.rejoin: Callable[[int, Any], None] | None = None
         """Brings a restarted engine (index, actor) to the run's version; set by the weight path."""
+        self.trainer_node: str | None = None
+        """The Ray node the trainer runs on, once ``place`` was told (a restarted engine is told again)."""
         self.dead: dict[int, str] = {}
         self.lost: list[str] = []
         self.restarted: list[str] = []
@@ -189,6 +191,13 @@ class EngineFleet:
             return True
         return False
 
+    def place(self, trainer_node: str) -> None:
+        """Tell every live engine the trainer's node (``EngineActor.place_loop``: the automatic loop boost
+        only away from the trainer); engines restarted later are told in their recovery."""
+        self.trainer_node = trainer_node
+        live = [e for i, e in enumerate(self.engines) if i not in self.dead]
+        ray.get([e.place_loop.remote(trainer_node) for e in live])
+
     def _recover(self, i: int, cause: str, killed: int | None = None) -> bool:
         """Engine ``i``'s process died and Ray restarts it: wait until it answers, bring it to the run's
         version (``rejoin``) and let it serve. False when it will not come back (then it is dead or, not
@@ -218,6 +227,8 @@ class EngineFleet:
             return True  # an older call of the dead process, failing late: this one is already back
         if self.rejoin is not None:
             try:
+                if self.trainer_node is not None:
+                    ray.get(self.engines[i].place_loop.remote(self.trainer_node))
                 self.rejoin(i, self.engines[i])
             except ActorDiedError as e:
                 self._mark_dead(i, e)

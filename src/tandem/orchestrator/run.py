@@ -281,6 +281,7 @@ def _run(
         weights.connect(trainer, fleet, run_dir)
         # Wait until every actor has finished starting, so the clock below measures steady-state work.
         ray.get([e.stats.remote() for e in engines] + [w.get_errors.remote() for w in workers])
+        fleet.place(ray.get(trainer.node_id.remote()))  # engines away from the trainer boost their loops
         version = ray.get(trainer.version.remote())
         st.step = version
         st.saved_step = version if resume else None
