@@ -189,6 +189,8 @@ def test_an_automatic_loop_boost_follows_where_the_trainer_is():
         two = max(-20, base - 2) if os.geteuid() == 0 else base
         assert fixed.set_beside_trainer(True) == two == fixed.health()["loop_nice"]
         assert os.nice(0) == base
+        auto.stop()  # its loop thread is gone: nothing is reniced any more, the last reading stays
+        assert auto.set_beside_trainer(False) == base == auto.health()["loop_nice"]
     finally:
         auto.stop()
         fixed.stop()

@@ -141,9 +141,19 @@ class RequestFront:
             self._thread.start()
 
     def _loop(self) -> None:
+        """The loop thread: ``_loop_setup``, then ``_serve`` until the engine stops; at exit it forgets its
+        thread id (which a later thread may be given: ``set_beside_trainer`` must never renice that one)."""
+        self._loop_setup()
+        try:
+            self._serve()
+        finally:
+            with self._cv:
+                if self._loop_tid == threading.get_native_id():  # not a loop started after this one's stop
+                    self._loop_tid = None
+
+    def _serve(self) -> None:
         """Wait for work; take the queued weight updates and as many requests as ``config.max_batch`` has
         room for; run one ``_iteration``. An exception fails the active sessions, never the loop."""
-        self._loop_setup()
         while True:
             with self._cv:
                 while self._running and not (self._queue or self._updates or self._active):
