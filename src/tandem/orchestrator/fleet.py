@@ -236,6 +236,8 @@ class EngineFleet:
             except ActorUnavailableError:  # it died again while rejoining
                 return self._recover(i, cause)
         else:
+            if self.trainer_node is not None:
+                ray.get(self.engines[i].place_loop.remote(self.trainer_node))
             ray.get(self.engines[i].resume_serving.remote())
         last = self._last_stats[i]
         self._base_stats[i] = {k: self._base_stats[i].get(k, 0.0) + float(last.get(k, 0)) for k in TOTALS}
