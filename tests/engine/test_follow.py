@@ -397,6 +397,7 @@ def test_a_serving_engine_lets_an_idle_one_produce_the_shared_patch(served, tmp_
     it produces the patch itself after the wait. A bad wait is refused naming the parameter."""
     import threading
     import time
+    from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 
     from tandem.weights.hostshare import HostShare
@@ -411,11 +412,16 @@ def test_a_serving_engine_lets_an_idle_one_produce_the_shared_patch(served, tmp_
     stop = threading.Event()
 
     def load() -> None:  # keep the busy engine's batch full and its queue non-empty
-        # Two of these run: between one's calls the other's requests are in the engine, so it never shows
-        # no session running (with one, a check in that gap saw an idle engine, which leads at once).
+        # A window of 8 requests in flight (4 batches), each replaced as the oldest finishes: the engine
+        # never shows nothing running or queued, however its requests' ends line up (two loaders that each
+        # waited for a whole batch both sat between calls once, and the check in that gap led at once).
         params = SamplingParams(max_new_tokens=40, temperature=1.0)
+        window = deque(busy.submit(GenerationRequest([1 + i, 2, 3], params)) for i in range(8))
+        i = 0
         while not stop.is_set():
-            busy.generate([GenerationRequest([1 + i, 2, 3], params) for i in range(4)])
+            window.popleft().result()
+            i += 1
+            window.append(busy.submit(GenerationRequest([1 + i % 8, 2, 3], params)))
 
     g = torch.Generator().manual_seed(9)
     try:
@@ -423,7 +429,7 @@ def test_a_serving_engine_lets_an_idle_one_produce_the_shared_patch(served, tmp_
         for s in syncs:
             s.sync(0)
         busy.start()
-        loaders = [threading.Thread(target=load, daemon=True) for _ in range(2)]
+        loaders = [threading.Thread(target=load, daemon=True)]
         for loader in loaders:
             loader.start()
         deadline = time.monotonic() + 30

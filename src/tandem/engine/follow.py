@@ -11,16 +11,16 @@ Invariants:
 - The rest of a sync (applying a host-share patch: read, check, the engine's patch plan and idle-bank writes;
   the writes a built-in engine leaves for after its pause, its other weight bank, done once the engine serves
   the new version and before ``sync`` returns, after a full reload too) runs on a thread whose priority
-  depends on the engine at the start of the sync. An engine with sessions running (``health()["active"]``)
-  runs it at the process's priority: that work is short (about 30 ms of CPU per sync on a 100M model) and
-  holds the GIL for much of it, and a GIL holder the kernel starves (a ``SCHED_IDLE`` thread behind busy
-  neighbours) stalls the engine's own decode loop, which needs the GIL between its torch calls: a priority
-  inversion. An idle engine has no loop to stall, so it runs that work ``nice`` levels down and leaves the CPU
-  to the engines that serve. Measured (docs/results.md, Weight sync): a loaded engine applying patches beside
-  two busy processes decoded at 0.84-0.85 of its quiet rate with its after-pause writes at ``SCHED_IDLE``
-  and 0.94-1.02 with them at the process's priority; running every engine's patch work at the process's
-  priority instead took CPU from the serving engine (0.80-0.81 in ``tandem bench sync``). The pause itself
-  runs on the engine's loop thread.
+  depends on the engine at the start of the sync. An engine with sessions running or queued
+  (``health()["active"]`` or ``["queued"]``) runs it at the process's priority: that work is short (about 30
+  ms of CPU per sync on a 100M model) and holds the GIL for much of it, and a GIL holder the kernel starves (a
+  ``SCHED_IDLE`` thread behind busy neighbours) stalls the engine's own decode loop, which needs the GIL
+  between its torch calls: a priority inversion. An idle engine has no loop to stall, so it runs that work
+  ``nice`` levels down and leaves the CPU to the engines that serve. Measured (docs/results.md, Weight sync):
+  a loaded engine applying patches beside two busy processes decoded at 0.84-0.85 of its quiet rate with its
+  after-pause writes at ``SCHED_IDLE`` and 0.94-1.02 with them at the process's priority; running every
+  engine's patch work at the process's priority instead took CPU from the serving engine (0.80-0.81 in
+  ``tandem bench sync``). The pause itself runs on the engine's loop thread.
 - The engine is only ever given weights the follower verified against the store's recorded hash
   (``tandem.weights.follow``); if verification and the snapshot recovery both fail, the engine keeps its
   current version and the error propagates.
@@ -236,9 +236,13 @@ class EngineWeightSync:
         return self._store.submit(self.follower.advance, target).result()
 
     def _serving(self) -> bool:
-        """Whether the engine has sessions running (its decode loop is busy)."""
+        """Whether the engine has sessions running or queued (its decode loop is busy, or about to be: a
+        step in which every running session finished shows none active with the next ones still queued)."""
         health = getattr(self.engine, "health", None)
-        return bool(health is not None and health().get("active", 0))
+        if health is None:
+            return False
+        state = health()
+        return bool(state.get("active", 0) or state.get("queued", 0))
 
     def _wait_for_share(self, a: int, target: int) -> bool:
         """Poll the host share for a patch from ``a`` (towards ``target``) for up to ``lead_yield_s``;
