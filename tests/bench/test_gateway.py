@@ -24,6 +24,7 @@ def test_bench_gateway_runs_both_sides_on_the_named_engine_with_token_exact_reco
     assert records["segments"] == 4 and records["sampled_tokens"] == 4 * 2 * 4 and records["reasons"] == []
     assert out["client"].startswith("openai ") and out["client_procs"] == 1
     assert 0 < out["client_cpu_ms_per_request"] < 1000
+    assert 0 < out["server_cpu_ms_per_request"] < 1000
 
 
 def test_bench_gateway_refuses_an_unknown_engine_and_bad_sizes_naming_them(bench_cli):

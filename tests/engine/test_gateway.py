@@ -1021,6 +1021,29 @@ def test_a_server_serves_from_one_thread_however_it_is_started(stack):
     assert serving() == before  # stopped: no thread left to close a descriptor later
 
 
+def test_a_server_reports_the_cpu_its_thread_used(stack):
+    """``cpu_s``: 0 before ``start``; grows with the requests the thread serves (and not with CPU this
+    thread burns); after ``stop``, what it had used, unchanged."""
+    engine, chat = stack
+    srv = GatewayServer(create_app(engine, chat, chat.tokenizer, GatewayConfig()))
+    assert srv.cpu_s() == 0.0
+    srv.start()
+    try:
+        idle = srv.cpu_s()
+        spin = time.thread_time() + 0.3
+        while time.thread_time() < spin:  # CPU on the caller's thread: not the server's
+            pass
+        assert srv.cpu_s() - idle < 0.1
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            for _ in range(200):
+                assert http.get("/health").status_code == 200
+        served = srv.cpu_s()
+        assert served > idle
+    finally:
+        srv.stop()
+    assert srv.cpu_s() >= served and srv.cpu_s() == srv.cpu_s()
+
+
 def test_unexpected_error_is_500_and_the_connection_stays_open(stack):
     engine, chat = stack
     app = create_app(engine, chat, chat.tokenizer, GatewayConfig())

@@ -24,16 +24,22 @@ gateway's session records are checked: one segment per session (the history matc
 re-rendered) of the expected length. Sets torch threads (restored on return) and, like ``tandem serve``,
 freezes the process's start-up heap once the engine runs (``freeze_heap``; thawed on return).
 
-What the overhead contains (measured on 2 cores): the server's work per request (about 1 ms of CPU, in a
-thread of the engine's process) and the client's (about 2 ms per request for ``openai``; the JSON's
-``client_cpu_ms_per_request``), on the same cores as the engine; and the turn boundaries: the sessions run
-in lockstep, in-process resubmits all of them at once, while the server answers them one at a time and the
-client sends the next turns back spread over tens of milliseconds. An idle engine gathers such a burst
-(``EngineConfig.gather_idle_ms``, ``gather_idle_max_ms``: it waits for the sessions that just finished a
-turn), so both sides start each turn as one batch; what remains is the engine idle at each boundary while
-the responses go out and the next requests come back. Before the engine gathered, it started the first
-arrivals at once, and their decode steps slowed the server still answering the rest (about 100-200 ms of
-spread per boundary instead of 50-60). More tokens per turn (``max_tokens``) amortise all of it.
+What the overhead contains (measured on 2 cores): the server's work per request (the JSON's
+``server_cpu_ms_per_request``: its thread's CPU, in the engine's process) and the client's (about 2 ms per
+request for ``openai``: ``client_cpu_ms_per_request``), on the same cores as the engine; and the turn
+boundaries: the sessions run in lockstep; in-process resubmits all of them at once, while through HTTP the
+next turns exist only once the client has handled the responses and built the requests, one session at a
+time. The client sends each request's headers as soon as it has built it, but its body only in a later pass
+of its event loop (``httpx`` over ``anyio`` yields between the two writes), after the other sessions ready
+then have built and sent theirs: at each boundary the headers come about 2 ms apart and every body of the
+burst comes after the last header (traced with ``strace``, docs/results.md). So no request of a burst reaches
+the engine before the client has spent its CPU on all of them, whatever the server does; with one client
+process that is the boundary's cost, four times per round (the opening turn, two tool turns, the last
+answers). An idle engine gathers such a burst (``EngineConfig.gather_idle_ms``, ``gather_idle_max_ms``: it
+waits for the sessions that just finished a turn), so both sides start each turn as one batch. Before the
+engine gathered, it started the first arrivals at once, and their decode steps slowed the server still
+answering the rest (about 100-200 ms of spread per boundary instead of 50-60). More tokens per turn
+(``max_tokens``) or more client processes (``client_procs``) amortise or split that cost.
 
 Before the engine starts (and, from the CLI, before this module is imported), ``preflight.check_gateway``
 refuses (``BenchInputError``, naming the option) an unknown engine, counts < 1, more than
@@ -206,10 +212,12 @@ def _check_records(url: str, r: int, sessions: int, turns: int, max_tokens: int)
     }
 
 
-def _gateway_round(clients: list[_Client], spec: dict[str, Any]) -> dict[str, Any]:
-    """One round split over the client processes (contiguous blocks of sessions), all started together."""
+def _gateway_round(clients: list[_Client], spec: dict[str, Any], server: Any) -> dict[str, Any]:
+    """One round split over the client processes (contiguous blocks of sessions), all started together;
+    with the CPU time the server's thread used meanwhile."""
     n = len(spec["opening"])
     size = -(-n // len(clients))
+    cpu0 = server.cpu_s()
     t0 = time.perf_counter()
     for j, c in enumerate(clients):
         lo, hi = j * size, min((j + 1) * size, n)
@@ -219,6 +227,7 @@ def _gateway_round(clients: list[_Client], spec: dict[str, Any]) -> dict[str, An
         "wall_s": time.perf_counter() - t0,
         "tokens": sum(o["tokens"] for o in outs),
         "client_cpu_s": sum(o["cpu_s"] for o in outs),
+        "server_cpu_s": server.cpu_s() - cpu0,
     }
 
 
@@ -273,7 +282,7 @@ def run_gateway_bench(
             r += 1
             opening, tools = preflight.gateway_workload(sessions, r)
             spec = {"round": r, "turns": turns, "max_tokens": max_tokens, "tools": tools, "opening": opening}
-            gateway.append(_gateway_round(clients, spec))
+            gateway.append(_gateway_round(clients, spec, server))
             last_gateway_round = r
             r += 1
         for side, rounds in (("in-process", in_proc), ("gateway", gateway)):
@@ -313,6 +322,10 @@ def run_gateway_bench(
         # the harness side's own work: CPU of the client processes per request, mean of the timed rounds
         "client_cpu_ms_per_request": round(
             1000 * sum(x["client_cpu_s"] for x in gateway[1:]) / (repeats * sessions * turns), 3
+        ),
+        # the gateway's own work: CPU of the server's thread (HTTP, handlers, responses) per request, likewise
+        "server_cpu_ms_per_request": round(
+            1000 * sum(x["server_cpu_s"] for x in gateway[1:]) / (repeats * sessions * turns), 3
         ),
         "engine": kind,
         "engine_reason": engine_reason,
