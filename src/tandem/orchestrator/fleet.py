@@ -8,7 +8,10 @@ Invariants:
   syncs, stats). When the last engine dies (or hangs), ``gather`` raises ``EngineLostError`` naming each one.
 - An engine that does not answer a call within ``answer_within_s`` (``orchestrator.request_timeout_s``) is
   taken as hung (a stopped process, a wedged device): it is killed, so nothing waits on it again (rollout
-  workers' calls to it then fail and are requeued), and counted lost like a dead one. Before, a hung engine
+  workers' calls to it then fail and are requeued). With restarts left (``restarts``, the actors'
+  ``max_restarts``) it is killed with its restart allowed and recovered like a crashed one (below; its
+  pending call has no result), as hung rollout workers are; without, it is counted lost like a dead one.
+  Before, a hung engine was always lost, restarts left or not. Before that, a hung engine
   blocked the driver's next weight sync or stats call for ever. An engine can also be late only because a
   hung one holds what it waits for (the host share's lock, which a stopped process never releases): so at
   the deadline the late engines are pinged first (``EngineActor.ping``, answered by any running process
@@ -26,7 +29,9 @@ Invariants:
   ``rejoin`` (the weight path's: connect it to the weight store and bring it to the run's version, or send
   it the full weights) and tell it to serve; until then its ``generate`` waits, so it never samples from the
   starting weights it loaded. The call that found it has no result for it. Each restart is kept in
-  ``restarted``. Restarts used up, Ray answers ``ActorDiedError``: the engine is dead as above.
+  ``restarted``. Restarts used up, Ray answers ``ActorDiedError``: the engine is dead as above. While it
+  restarts the fleet calls ``on_progress`` (the driver restarts ``take``'s idle clock with it), so a restart
+  longer than ``orchestrator.request_timeout_s`` is not taken for stuck rollouts.
 - An engine whose process runs but whose engine cannot serve any more (``ping`` says ``ok: False``: its loop
   was stopped, or a vLLM weight update failed and its old weights could not be restored) would answer every
   request with an error until the run stopped on failed groups: it is killed with its restart allowed and
@@ -55,6 +60,8 @@ PING_S = 10.0
 milliseconds; a loaded 2-core machine in well under a second)."""
 RESTART_POLL_S = 0.5
 """How often a restarting engine is asked whether it answers again."""
+PROGRESS_EVERY_S = 2.0
+"""How often ``on_progress`` is called while an engine restarts."""
 TOTALS = ("busy_s", "prefill_tokens", "prefix_hit_tokens", "steps", "tokens_generated")
 """The engines' cumulative counters the run sums (``EngineActor.stats``)."""
 
@@ -73,6 +80,10 @@ class EngineFleet:
         """The most restarts Ray makes of each engine (the actors' ``max_restarts``)."""
         self.rejoin: Callable[[int, Any], None] | None = None
         """Brings a restarted engine (index, actor) to the run's version; set by the weight path."""
+        self.on_progress: Callable[[], None] | None = None
+        """Called while an engine restarts (at most every ``PROGRESS_EVERY_S``) and once it serves again;
+        the driver counts it as progress for ``take``'s idle clock, so a restart (20-40 s) is not taken for
+        stuck rollouts."""
         self.trainer_node: str | None = None
         """The Ray node the trainer runs on, once ``place`` was told (a restarted engine is told again)."""
         self.dead: dict[int, str] = {}
@@ -97,12 +108,14 @@ class EngineFleet:
         left out. Raises ``EngineLostError`` when no engine is left."""
         results: dict[int, Any] = {}
         late = self._wait(calls)
-        if late and self._kill_unresponsive([i for i, _ in late]):
-            late = self._wait(late)  # the others may have waited for a killed one (module invariants)
+        restarted: set[int] = set()
+        if late and self._kill_unresponsive([i for i, _ in late], restarted):
+            late = self._wait([(i, ref) for i, ref in late if i not in restarted])  # may have waited for it
         for i, _ in late:
-            self._mark_hung(i)
+            if self._hung(i):
+                restarted.add(i)
         for i, ref in calls:
-            if i in self.dead:
+            if i in self.dead or i in restarted:  # a restarted engine's call died with its old process
                 continue
             try:
                 results[i] = ray.get(ref)
@@ -137,15 +150,17 @@ class EngineFleet:
             raise EngineLostError("every engine died: " + "; ".join(self.lost))
         return removed
 
-    def _kill_unresponsive(self, indices: list[int]) -> bool:
-        """Ping the engines ``indices``; kill (as hung) those that do not answer within ``PING_S`` and mark
-        dead those found dead. True when any was killed or found dead."""
+    def _kill_unresponsive(self, indices: list[int], restarted: set[int] | None = None) -> bool:
+        """Ping the engines ``indices``; kill (as hung) those that do not answer within ``PING_S``,
+        restarting them when restarts are left (their indices go into ``restarted``), and mark dead those
+        found dead. True when any was killed or found dead."""
         pings = {i: self.engines[i].ping.remote() for i in indices}
         ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=PING_S)
         removed = False
         for i, ref in pings.items():
             if ref not in ready:
-                self._mark_hung(i, pinged=True)
+                if self._hung(i, pinged=True) and restarted is not None:
+                    restarted.add(i)
                 removed = True
                 continue
             try:
@@ -204,7 +219,11 @@ class EngineFleet:
         answering within ``answer_within_s``, killed as hung). ``killed``: the pid of a process the fleet
         just killed, whose answers until it is gone are not the restart's."""
         deadline = time.monotonic() + self.answer_within_s
+        told = 0.0
         while True:
+            if time.monotonic() - told >= PROGRESS_EVERY_S:
+                told = time.monotonic()
+                self._progress()
             try:
                 answer = ray.get(
                     self.engines[i].ping.remote(), timeout=max(deadline - time.monotonic(), 0.01)
@@ -239,6 +258,7 @@ class EngineFleet:
             if self.trainer_node is not None:
                 ray.get(self.engines[i].place_loop.remote(self.trainer_node))
             ray.get(self.engines[i].resume_serving.remote())
+        self._progress()
         last = self._last_stats[i]
         self._base_stats[i] = {k: self._base_stats[i].get(k, 0.0) + float(last.get(k, 0)) for k in TOTALS}
         self._last_stats[i] = {}
@@ -250,6 +270,10 @@ class EngineFleet:
         )
         return True
 
+    def _progress(self) -> None:
+        if self.on_progress is not None:
+            self.on_progress()
+
     def _mark_dead(self, i: int, e: Exception) -> None:
         if i not in self.dead:
             text = str(e).strip()  # Ray's last line says why, in its first sentence
@@ -257,14 +281,31 @@ class EngineFleet:
             self.dead[i] = reason
             self.lost.append(f"engine {i} died ({type(e).__name__}: {reason})")
 
+    @staticmethod
+    def _hung_reason(pinged: bool, answer_within_s: float) -> str:
+        if pinged:
+            return f"did not answer a ping within {PING_S:g} s; killed"
+        return f"did not answer within {answer_within_s:g} s (orchestrator.request_timeout_s); killed"
+
+    def _hung(self, i: int, pinged: bool = False) -> bool:
+        """Engine ``i`` is hung: with restarts left, kill it with its restart allowed and recover it (True
+        when it serves again); otherwise kill it for good and count it lost (False)."""
+        if i in self.dead:
+            return False
+        if self._incarnation[i] >= self.restarts:
+            self._mark_hung(i, pinged)
+            return False
+        try:
+            ray.kill(self.engines[i], no_restart=False)
+        except Exception:  # noqa: BLE001, S110 - gone already: recovered or found dead below
+            pass
+        reason = self._hung_reason(pinged, self.answer_within_s)  # worded as a hung rollout worker's restart
+        return self._recover(i, f"hung: {reason}", killed=self._pid[i])
+
     def _mark_hung(self, i: int, pinged: bool = False) -> None:
         if i in self.dead:
             return
-        reason = (
-            f"did not answer a ping within {PING_S:g} s; killed"
-            if pinged
-            else f"did not answer within {self.answer_within_s:g} s (orchestrator.request_timeout_s); killed"
-        )
+        reason = self._hung_reason(pinged, self.answer_within_s)
         self.dead[i] = reason
         self.lost.append(f"engine {i} hung ({reason})")
         try:

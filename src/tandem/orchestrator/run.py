@@ -326,6 +326,8 @@ def _run(
     step = version
     noted: set[str] = set()
 
+    fleet.on_progress = lambda: buffer.restart_idle_clock.remote()  # an engine restarting is progress
+
     def check_engines() -> None:
         """While waiting for groups: remove hung engines (``EngineFleet.check``) and kill hung rollout workers
         for a restart (``RolloutCrew.check``); the groups stuck on either are requeued then, so ``take``'s
