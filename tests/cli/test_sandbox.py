@@ -69,9 +69,24 @@ def test_pids_limit_applies(tmp_path: Path) -> None:
     assert r.exit_code == 0 and int(r.stdout) < 8
 
 
+@needs_bwrap
+def test_cpus_option_runs_the_command_under_its_quota(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["run", "--workspace", str(tmp_path), "--cpus", "0.5", "--", "python3", "-c", "1"])
+    assert r.exit_code == 0, r.output
+
+
 @pytest.mark.parametrize(
     "flag,value",
-    [("--memory", "0"), ("--pids", "-1"), ("--max-output", "0"), ("--memory", "lots"), ("--timeout", "inf")],
+    [
+        ("--memory", "0"),
+        ("--pids", "-1"),
+        ("--max-output", "0"),
+        ("--memory", "lots"),
+        ("--timeout", "inf"),
+        ("--cpus", "0"),
+        ("--cpus", "nan"),
+        ("--cpus", "2000"),
+    ],
 )
 def test_bad_limits_exit_2_naming_the_flag(tmp_path: Path, flag: str, value: str) -> None:
     r = runner.invoke(app, ["run", "--workspace", str(tmp_path), flag, value, "--", "true"])

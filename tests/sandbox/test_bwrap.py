@@ -196,6 +196,50 @@ def test_rlimits() -> None:
         assert r.exit_code in (128 + 24, 137) and not r.timed_out  # SIGXCPU, then SIGKILL at the hard limit
 
 
+SPIN = """
+import os, sys, time
+wall = float(sys.argv[1])
+t0 = time.monotonic()
+kids = []
+for _ in range(2):
+    pid = os.fork()
+    if pid == 0:
+        while time.monotonic() - t0 < wall:
+            pass
+        os._exit(0)
+    kids.append(pid)
+for pid in kids:
+    os.waitpid(pid, 0)
+t = os.times()
+print(t.children_user + t.children_system, time.monotonic() - t0)
+"""
+
+
+def test_cpu_quota_caps_all_the_processes_of_a_sandbox_together() -> None:
+    """``cpus``: two processes spinning for a second get at most that many CPUs between them (the CFS
+    quota is a hard cap, so a loaded machine can only lower what they get), and the quota's throttling is
+    counted; ``cpus=None`` makes no cpu cgroup. A bad value is refused naming the field."""
+    from tandem.sandbox.limits import _own_cgroup_dir
+
+    if _own_cgroup_dir("cpu") is None:
+        pytest.skip("no writable cgroup v1 cpu controller on this machine")
+    cfg = SandboxConfig(cpus=0.25, timeout_s=30)
+    with create_sandbox({"spin.py": SPIN}, cfg) as s:
+        assert s._cgroup.has_cpu
+        (d,) = [d for d in s._cgroup.dirs if (d / "cpu.cfs_quota_us").exists()]
+        assert int((d / "cpu.cfs_quota_us").read_text()) == 25_000
+        before = s._cgroup.counters().get("cpu_throttled", 0)
+        r = s.exec(["python3", "spin.py", "1.0"])
+        assert r.exit_code == 0, r.stderr
+        cpu, wall = (float(x) for x in r.stdout.split())
+        assert cpu <= 0.25 * wall + 0.15, (cpu, wall)  # two spinners uncapped would use up to 2 x wall
+        assert s._cgroup.counters()["cpu_throttled"] > before
+    with create_sandbox({}, SandboxConfig(cpus=None)) as s:
+        assert not s._cgroup.has_cpu
+    with pytest.raises(ValueError, match="cpus"):
+        SandboxConfig(cpus=0)
+
+
 def test_pids_limit() -> None:
     cfg = SandboxConfig(pids=16, timeout_s=30)
     with create_sandbox({}, cfg) as s:

@@ -23,6 +23,7 @@ from typing import Annotated
 import typer
 
 from tandem.core.config import (
+    SANDBOX_MAX_CPUS,
     SANDBOX_MAX_MB,
     SANDBOX_MAX_OUTPUT_BYTES,
     SANDBOX_MAX_PIDS,
@@ -57,6 +58,7 @@ MOST: dict[str, tuple[int, str]] = {
     "--memory": (SANDBOX_MAX_MB, "16 TiB; bwrap and ulimit refused larger sizes mid-start"),
     "--pids": (SANDBOX_MAX_PIDS, "the most processes Linux can have, PID_MAX_LIMIT; ulimit refused more"),
     "--max-output": (SANDBOX_MAX_OUTPUT_BYTES, "1 GiB per stream, held in memory; more was a traceback"),
+    "--cpus": (int(SANDBOX_MAX_CPUS), "the most sandbox.cpus takes"),
 }
 """Largest value per option, and why; past it the sandbox failed to start with an unclear message."""
 
@@ -138,6 +140,10 @@ def run(
         int | None, typer.Option(help="Memory limit in MB (default: sandbox.memory_mb).")
     ] = None,
     pids: Annotated[int | None, typer.Option(help="Most processes (default: sandbox.pids).")] = None,
+    cpus: Annotated[
+        float | None,
+        typer.Option(help="Most CPUs the command's processes use together (default: sandbox.cpus, 1)."),
+    ] = None,
     max_output: Annotated[
         int | None,
         typer.Option("--max-output", help="Bytes kept per stream; the rest is cut with a visible marker."),
@@ -167,6 +173,11 @@ def run(
             _fail(f"--timeout must be a finite number of seconds > 0, got {timeout}")
         _check_most("--timeout", timeout)
         config.timeout_s = timeout
+    if cpus is not None:
+        if not 0 < cpus < math.inf:
+            _fail(f"--cpus must be a finite number of CPUs > 0 (e.g. 0.5), got {cpus}")
+        _check_most("--cpus", cpus)
+        config.cpus = cpus
     for flag, value, name in (
         ("--memory", memory, "memory_mb"),
         ("--pids", pids, "pids"),

@@ -133,6 +133,8 @@ SANDBOX_MAX_PIDS = 4_194_304
 SANDBOX_MIN_BWRAP_PIDS = 3
 """Least `sandbox.pids` with the bwrap backend: bwrap and the sandbox's init count against the limit too, so
 below it no command starts (1: "bwrap: Creating new namespace failed", 2: "Cannot fork")."""
+SANDBOX_MAX_CPUS = 1024.0
+"""Most `sandbox.cpus`."""
 SANDBOX_MAX_OUTPUT_BYTES = 2**30
 """Most `sandbox.max_output_bytes`: the host keeps that much of each of stdout and stderr in memory."""
 
@@ -149,6 +151,11 @@ class SandboxConfig(Section):
     `SANDBOX_MIN_BWRAP_PIDS` (3) with the bwrap backend, whose own processes count too."""
     cpu_s: int = Field(default=10, ge=1, le=SANDBOX_MAX_TIMEOUT_S)
     """CPU-time rlimit in seconds."""
+    cpus: float | None = Field(default=1.0, gt=0, le=SANDBOX_MAX_CPUS)
+    """Most CPUs a sandbox's commands use at once, all their processes together (cgroup v1 CPU quota where
+    available: ``cpu.cfs_quota_us`` per 100 ms period); None: no cap. With the default of one, a rollout's
+    tests (a fork of busy loops included) leave the host's other cores to decoding and training; the CPU-time
+    rlimit `cpu_s` still bounds each process."""
     file_mb: int = Field(default=16, ge=1, le=SANDBOX_MAX_MB)
     """Largest file a command may write, in MiB."""
     max_output_bytes: int = Field(default=16384, ge=1, le=SANDBOX_MAX_OUTPUT_BYTES)

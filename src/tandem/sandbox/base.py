@@ -260,7 +260,7 @@ class Sandbox:
         """Host uid (and gid) commands run as and workspace files belong to; None: this process's own."""
         self.mode = self._resolve_mode()
         """``overlay`` or ``copy``: how ``workdir`` is made (``workspace_mode`` after auto)."""
-        self._cgroup = Cgroup(config.memory_mb, config.pids)
+        self._cgroup = Cgroup(config.memory_mb, config.pids, config.cpus)
         try:
             self.scratch = scratch_dir(config, self.mode, self._cgroup.has_memory)
             """Where the private directory was made (None: the temp dir), see ``SandboxConfig.scratch``."""

@@ -1,13 +1,15 @@
-"""Resource limits of sandboxed commands: rlimits always, cgroup v1 memory and pids where available.
+"""Resource limits of sandboxed commands: rlimits always, cgroup v1 memory, pids and CPU where available.
 
 Invariants:
 - Limits are applied by a tiny ``/bin/sh`` prelude that the sandbox runs *instead of* a Python ``preexec_fn``
   (which is unsafe in threaded parents): it joins the cgroups, sets the rlimits, then ``exec``s the command.
   So the command and everything it forks start inside the cgroups and under the rlimits; nothing runs
   before the limits are in place.
-- One cgroup pair (memory, pids) per sandbox, created as a child of this process's own cgroup (so outer
-  limits still apply), named ``tandem-<host>-<pid>-<n>``; :meth:`Cgroup.remove` kills what is left in it
-  and removes it. Cgroups left behind by dead processes on this host are swept on first use.
+- One cgroup per controller (memory, pids, and cpu when ``cpus`` caps it: a CFS quota of ``cpus`` x the
+  100 ms period, shared by all the sandbox's processes) per sandbox, created as a child of this process's
+  own cgroup (so outer limits still apply), named ``tandem-<host>-<pid>-<n>``; :meth:`Cgroup.remove`
+  kills what is left in it and removes it. Cgroups left behind by dead processes on this host are swept
+  on first use.
 - Missing or unwritable cgroup controllers are detected once and silently replaced by rlimits alone.
 """
 
@@ -113,13 +115,18 @@ def _sweep(parent: Path) -> None:
             _rmdir(d, attempts=5)
 
 
-class Cgroup:
-    """A memory + pids cgroup v1 pair for one sandbox; a controller the machine lacks is skipped."""
+CFS_PERIOD_US = 100_000
+"""The CFS period a sandbox's CPU quota is counted in (the kernel's default)."""
 
-    def __init__(self, memory_mb: int, pids: int) -> None:
+
+class Cgroup:
+    """Memory, pids and (with ``cpus``) cpu cgroups v1 for one sandbox; a controller the machine lacks is
+    skipped."""
+
+    def __init__(self, memory_mb: int, pids: int, cpus: float | None = None) -> None:
         name = f"tandem-{_host_tag()}-{os.getpid()}-{next(_counter)}"
         self.dirs: list[Path] = []
-        for controller, settings in (
+        controllers: list[tuple[str, list[tuple[str, int]]]] = [
             (
                 "memory",
                 [
@@ -128,7 +135,11 @@ class Cgroup:
                 ],
             ),
             ("pids", [("pids.max", pids)]),
-        ):
+        ]
+        if cpus is not None:  # the quota first: it is this controller's limit (the period is the default)
+            quota = max(1000, round(cpus * CFS_PERIOD_US))  # the kernel's smallest quota is 1 ms
+            controllers.append(("cpu", [("cpu.cfs_quota_us", quota), ("cpu.cfs_period_us", CFS_PERIOD_US)]))
+        for controller, settings in controllers:
             parent = _own_cgroup_dir(controller)
             if parent is None:
                 continue
@@ -151,6 +162,7 @@ class Cgroup:
                         break
         self.has_pids = any(d.is_relative_to(CGROUP_ROOT / "pids") for d in self.dirs)
         self.has_memory = any(d.is_relative_to(CGROUP_ROOT / "memory") for d in self.dirs)
+        self.has_cpu = any(d.is_relative_to(CGROUP_ROOT / "cpu") for d in self.dirs)
 
     def join_script(self) -> str:
         """Shell lines that move the current shell (``$$``) into every cgroup of this sandbox."""
@@ -167,12 +179,14 @@ class Cgroup:
         return sorted(out)
 
     def counters(self) -> dict[str, int]:
-        """Cumulative limit counters: ``oom_kill``, ``mem_failcnt`` and ``pids_max`` (refused forks)."""
+        """Cumulative limit counters: ``oom_kill``, ``mem_failcnt``, ``pids_max`` (refused forks) and
+        ``cpu_throttled`` (CFS periods in which the CPU quota held the sandbox back)."""
         out: dict[str, int] = {}
         for d in self.dirs:
             for fname, key, prefix in (
                 ("memory.oom_control", "oom_kill", "oom_kill "),
                 ("pids.events", "pids_max", "max "),
+                ("cpu.stat", "cpu_throttled", "nr_throttled "),
             ):
                 try:
                     for line in (d / fname).read_text().splitlines():
