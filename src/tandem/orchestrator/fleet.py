@@ -281,11 +281,10 @@ class EngineFleet:
             self.dead[i] = reason
             self.lost.append(f"engine {i} died ({type(e).__name__}: {reason})")
 
-    @staticmethod
-    def _hung_reason(pinged: bool, answer_within_s: float) -> str:
+    def _hung_reason(self, pinged: bool) -> str:
         if pinged:
             return f"did not answer a ping within {PING_S:g} s; killed"
-        return f"did not answer within {answer_within_s:g} s (orchestrator.request_timeout_s); killed"
+        return f"did not answer within {self.answer_within_s:g} s (orchestrator.request_timeout_s); killed"
 
     def _hung(self, i: int, pinged: bool = False) -> bool:
         """Engine ``i`` is hung: with restarts left, kill it with its restart allowed and recover it (True
@@ -299,13 +298,13 @@ class EngineFleet:
             ray.kill(self.engines[i], no_restart=False)
         except Exception:  # noqa: BLE001, S110 - gone already: recovered or found dead below
             pass
-        reason = self._hung_reason(pinged, self.answer_within_s)  # worded as a hung rollout worker's restart
+        reason = self._hung_reason(pinged)  # worded as a hung rollout worker's restart
         return self._recover(i, f"hung: {reason}", killed=self._pid[i])
 
     def _mark_hung(self, i: int, pinged: bool = False) -> None:
         if i in self.dead:
             return
-        reason = self._hung_reason(pinged, self.answer_within_s)
+        reason = self._hung_reason(pinged)
         self.dead[i] = reason
         self.lost.append(f"engine {i} hung ({reason})")
         try:
