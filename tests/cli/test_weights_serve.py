@@ -7,6 +7,8 @@ import socket
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -50,11 +52,11 @@ def test_serve_prints_its_url_answers_and_stops_on_ctrl_c(tmp_path):
     # Started with SIGINT ignored, as a non-interactive shell starts a background job: Ctrl-C still stops it.
     proc = _start_serve(
         tmp_path / "store",
-        lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        _ignore_sigint,
         subprocess.PIPE,
         ["--send-stall-s", "7.5", "--min-send-kib-s", "2"],
     )
-    try:
+    with _killed_at_exit(proc):
         line = proc.stdout.readline()
         assert "latest version 0" in line, line + proc.stderr.read()
         url = line.rsplit(" at ", 1)[1].strip()
@@ -64,12 +66,7 @@ def test_serve_prints_its_url_answers_and_stops_on_ctrl_c(tmp_path):
             limits = json.loads(resp.read())["limits"]
         assert limits["send_stall_s"] == 7.5 and limits["min_send_rate"] == 2 * 1024
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)  # drains both pipes: a full pipe must not block the exit
-        assert proc.returncode == 0 and "stopping" in out, (proc.returncode, out[-500:], err[-2000:])
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _assert_stopped_cleanly(proc)
 
 
 def test_a_misspelt_gc_switch_is_refused_before_anything_listens(tmp_path, monkeypatch):
@@ -116,28 +113,13 @@ def test_ctrl_c_sent_the_moment_the_url_appears_still_stops_the_server(tmp_path)
     store = WeightStore.open(tmp_path / "store", create=True)
     store.publish(0, None, "full", "h0", {"w": b"weights"})
     store.close()
-    code = "import typer; from tandem.cli.weights_serve import serve; typer.run(serve)"
-    args = [sys.executable, "-c", code, "--store", str(tmp_path / "store"), "--port", "0"]
     for _ in range(3):
-        proc = subprocess.Popen(
-            args,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),  # noqa: PLW1509 - test only
-        )
-        try:
+        proc = _start_serve(tmp_path / "store", _ignore_sigint, subprocess.PIPE)
+        with _killed_at_exit(proc):
             line = proc.stdout.readline()
             assert "latest version 0" in line, line + proc.stderr.read()
             proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=60)
-            assert proc.returncode == 0 and "stopping" in out, (proc.returncode, out[-500:], err[-2000:])
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            _assert_stopped_cleanly(proc)
 
 
 def test_ctrl_c_the_kernel_hands_to_a_server_thread_still_stops_the_server(tmp_path):
@@ -148,18 +130,36 @@ def test_ctrl_c_the_kernel_hands_to_a_server_thread_still_stops_the_server(tmp_p
     store.publish(0, None, "full", "h0", {"w": b"weights"})
     store.close()
     proc = _start_serve(tmp_path / "store", None, subprocess.PIPE)
-    try:
+    with _killed_at_exit(proc):
         line = proc.stdout.readline()
         assert "latest version 0" in line, line + proc.stderr.read()
         others = [int(t) for t in os.listdir(f"/proc/{proc.pid}/task") if int(t) != proc.pid]
         assert others, "the server runs its HTTP loop in a thread of its own"
         os.kill(others[0], signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0 and "stopping" in out, (proc.returncode, out[-500:], err[-2000:])
+        _assert_stopped_cleanly(proc)
+
+
+def _ignore_sigint() -> None:
+    """Start with SIGINT ignored, as a non-interactive shell starts a background job."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@contextmanager
+def _killed_at_exit(proc: subprocess.Popen) -> Iterator[subprocess.Popen]:
+    """Kill ``proc`` on leaving the block if it is still running (a failed test leaves no server behind)."""
+    try:
+        yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _assert_stopped_cleanly(proc: subprocess.Popen) -> None:
+    """After a stop signal: exit status 0 and "stopping" printed; both pipes are drained meanwhile (a full
+    pipe must not block the exit)."""
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "stopping" in out, (proc.returncode, out[-500:], err[-2000:])
 
 
 def _start_serve(store_dir: Path, preexec, stderr=subprocess.DEVNULL, extra=()) -> subprocess.Popen:
