@@ -80,10 +80,11 @@ def _block_until_interrupted(server: Any, banner: str) -> None:
     SIGINT ignored, and Ctrl-C must still stop it. The handlers are installed before the banner is printed,
     so a signal sent as soon as the URL appears is never lost.
 
-    The handler only records the signal, and the main thread looks for it every ``_STOP_POLL_S``: a handler
-    that raised could have its exception swallowed by the code it interrupted, and a signal the kernel hands
-    to one of the server's threads runs the handler but does not wake the main thread's sleep (a one-hour
-    sleep here left a server running after Ctrl-C, about 1 start in 20 on a loaded machine)."""
+    The handler only records the signal, and the main thread looks for it every ``_STOP_POLL_S``. The kernel
+    may hand a process-wide signal to one of the server's threads; Python then runs the handler only when
+    the main thread next wakes, and a one-hour sleep there left a server running after Ctrl-C (6 starts in
+    100 on a loaded machine). A handler that only records cannot have its exception swallowed by the code
+    it interrupts either."""
     received: list[int] = []
 
     def _on_signal(signum: int, frame: Any) -> None:
