@@ -399,11 +399,14 @@ def test_a_store_manifest_naming_another_version_is_refused_not_followed(tmp_pat
 
 def test_a_full_server_closes_its_longest_idle_connection_for_a_new_one(tmp_path):
     store, manifest, blobs = make_store(tmp_path / "s", {"w": 400_000})
+    # The idle connections fill the server, so the client's first connection already needs a slot. (With
+    # one slot left, the test depended on the client opening a second connection; on a loaded machine its
+    # second thread can reuse the first's connection, and nothing was evicted: CI failed that way.)
     with serve_store(store, max_connections=4) as server:
         host, port = server.url.removeprefix("http://").split(":")
-        idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(3)]
+        idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(4)]
         idle[1].sendall(b"GET /v1/weights/latest HTTP/1.1\r\n")  # a slowloris: headers never finished
-        wait_for(lambda: len(server._connections) == 3)
+        wait_for(lambda: len(server._connections) == 4)
         with WeightClient([server.url], retries=0, parallel=2, part_size=100_000) as client:
             assert client.download(manifest.blobs) == blobs
         assert server.stats.snapshot()["evicted_idle_connections"] >= 1
