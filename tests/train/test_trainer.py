@@ -191,7 +191,8 @@ def test_publish_bfloat16_as_uint16_bits(model_dir):
 
 MISMATCH_KEYS = (
     "mismatch_kl", "mismatch_kl_k1", "mismatch_kl_k3", "mismatch_abs_dlogp_mean", "mismatch_abs_dlogp_max",
-    "mismatch_ratio_out_frac", "mismatch_ess", "mismatch_tokens",
+    "mismatch_ratio_out_frac", "mismatch_ess", "mismatch_tokens", "mismatch_kl_k3_same_version",
+    "mismatch_abs_dlogp_max_same_version", "mismatch_same_version_tokens",
 )  # fmt: skip
 
 
@@ -218,6 +219,8 @@ def test_each_loss_and_correction_runs_a_step_and_mismatch_is_zero(model_dir, kw
     assert m["mismatch_kl_k3"] == m["mismatch_kl"] < 1e-6 and abs(m["mismatch_kl_k1"]) < 1e-5
     assert m["mismatch_abs_dlogp_max"] < 1e-4 and m["mismatch_ratio_out_frac"] == 0.0
     assert m["mismatch_ess"] == pytest.approx(1.0, abs=1e-6) and m["is_masked_frac"] == 0.0
+    assert m["mismatch_same_version_tokens"] == m["mismatch_tokens"]  # all sampled by version 0
+    assert m["mismatch_kl_k3_same_version"] == pytest.approx(m["mismatch_kl_k3"], rel=1e-9, abs=1e-15)
     pairs = m["mismatch_pairs"]
     assert 0 < len(pairs) <= m["mismatch_tokens"]
     assert np.allclose(pairs, np.asarray(pairs)[:, ::-1], atol=1e-4)  # p_sampler ~ p_trainer
@@ -238,6 +241,24 @@ def test_mismatch_metrics_and_icepop_on_perturbed_sampler_logprobs(model_dir):
     assert m["mismatch_abs_dlogp_max"] == pytest.approx(1.0, abs=1e-4)
     w = np.array([math.exp(-1)] * 2 + [1.0] * 46)
     assert m["mismatch_ess"] == pytest.approx(w.sum() ** 2 / (48 * (w**2).sum()), rel=1e-4)
+
+
+def test_tokens_of_an_older_version_are_left_out_of_the_same_version_mismatch(model_dir):
+    """In an async run a token's sampler logprob may come from an older version: the policy's move since
+    then shows in the overall mismatch, and only tokens the trainer's own version sampled in the
+    same-version one (the numerical disagreement alone)."""
+    trainer = Trainer(model_dir, _config())
+    trainer.step(sample_groups(trainer.model, 0))  # now at version 1
+    groups = sample_groups(trainer.model, 1, seed=1)  # sampled by the weights the trainer holds
+    seg = groups[0].trajectories[0].segments[0]
+    sampled = seg.loss_mask > 0
+    seg.sampler_logprobs[sampled] += 1.0  # as if version 0 had given these 2 tokens more probability
+    seg.versions[sampled] = 0
+    m = trainer.step(groups)
+    assert m["mismatch_tokens"] == 48 and m["mismatch_same_version_tokens"] == 46
+    assert m["mismatch_abs_dlogp_max"] == pytest.approx(1.0, abs=1e-4)
+    assert m["mismatch_kl_k3"] == pytest.approx(2 * (math.exp(-1) - 1 + 1) / 48, rel=1e-3)
+    assert m["mismatch_abs_dlogp_max_same_version"] < 1e-4 and m["mismatch_kl_k3_same_version"] < 1e-6
 
 
 def test_masking_normalises_like_grpo_when_nothing_is_masked_and_dapo_filters_groups(model_dir):

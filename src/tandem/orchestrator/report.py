@@ -193,6 +193,22 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
                 f"IS ESS {avg(last, 'train/mismatch_ess'):.4f}"
                 + ("" if result.mismatch_pairs else " (no token was trained in the last steps: no scatter)")
             )
+        same = [r for r in last if r.get("train/mismatch_same_version_tokens", 0) > 0]
+        if same:  # the same-version share: numerics alone, without the policy's move since sampling
+            n_same = sum(r["train/mismatch_same_version_tokens"] for r in same)
+            kl_same = sum(
+                r["train/mismatch_kl_k3_same_version"] * r["train/mismatch_same_version_tokens"] for r in same
+            )
+            lines.append(
+                f"- of which tokens sampled by the trainer's own version (numerics alone, {int(n_same)} "
+                f"tokens): KL k3 {kl_same / n_same:.3g}, max |dlogp| "
+                f"{max(r['train/mismatch_abs_dlogp_max_same_version'] for r in same):.3g}"
+            )
+        if "train/entropy" in rows[-1]:
+            lines.append(
+                f"- policy entropy per sampled token: first fifth {avg(first, 'train/entropy'):.3g} -> "
+                f"last fifth {avg(last, 'train/entropy'):.3g}"
+            )
         routed = [r for r in last if "train/routing_agreement" in r]
         if routed:  # MoE: see tandem.train.routing
             lines.append(

@@ -52,6 +52,7 @@ class MicroBatch:
     loss_mask: torch.Tensor  # float32 [L]
     advantages: torch.Tensor  # float32 [L]
     sampler_logprobs: torch.Tensor  # float32 [L], NaN where not sampled
+    versions: torch.Tensor  # int64 [L], the policy version that sampled each token, -1 where not sampled
     seq_index: torch.Tensor  # int64 [L], index into the list of packed sequences
     seq_ids: list[int]  # the sequences in this row, in order
     sampler_logmass: torch.Tensor | None = None  # float32 [L], top-p kept log mass; None: all 0
@@ -98,7 +99,7 @@ def pack(sequences: list[SequenceInput], micro_batch_tokens: int) -> list[MicroB
     plan = plan_micro_batches([len(s.segment) for s in sequences], micro_batch_tokens)
     out = []
     for seq_ids in plan:
-        ids, pos, mask, adv, slp, sidx, lmass, temp = [], [], [], [], [], [], [], []
+        ids, pos, mask, adv, slp, vers, sidx, lmass, temp = [], [], [], [], [], [], [], [], []
         for k in seq_ids:
             seg = sequences[k].segment
             n = len(seg)
@@ -110,6 +111,7 @@ def pack(sequences: list[SequenceInput], micro_batch_tokens: int) -> list[MicroB
             mask.append(m)
             adv.append(np.full(n, sequences[k].advantage, np.float32))
             slp.append(seg.sampler_logprobs.astype(np.float32))
+            vers.append(seg.versions.astype(np.int64))
             sidx.append(np.full(n, k, np.int64))
             lmass.append(seg.sampler_logmass if seg.sampler_logmass is not None else np.zeros(n, np.float32))
             temp.append(
@@ -125,6 +127,7 @@ def pack(sequences: list[SequenceInput], micro_batch_tokens: int) -> list[MicroB
                 loss_mask=torch.from_numpy(np.concatenate(mask)),
                 advantages=torch.from_numpy(np.concatenate(adv)),
                 sampler_logprobs=torch.from_numpy(np.concatenate(slp)),
+                versions=torch.from_numpy(np.concatenate(vers)),
                 seq_index=torch.from_numpy(np.concatenate(sidx)),
                 seq_ids=list(seq_ids),
                 sampler_logmass=torch.from_numpy(logmass) if logmass.any() else None,

@@ -28,7 +28,12 @@ Invariants:
   unbiased estimate of KL(sampler || trainer) that can be negative), ``mismatch_kl_k3`` (= ``mismatch_kl``,
   mean of w - 1 - log w with w = p_trainer / p_sampler, >= 0), ``mismatch_abs_dlogp_mean``/``_max``,
   ``mismatch_ratio_out_frac`` (w outside ``MISMATCH_BAND``), ``mismatch_ess`` ((sum w)^2 / (n sum w^2), in
-  (0, 1]; 1 when nothing was measured) and ``mismatch_tokens``; ``mismatch_pairs`` holds a deterministic,
+  (0, 1]; 1 when nothing was measured) and ``mismatch_tokens``. The sampler's logprob of a token is the one
+  of the version that sampled it, up to ``orchestrator.max_staleness`` versions behind the trainer's, so in an
+  async run these numbers add how far the policy moved since then to the numerical disagreement. Over only
+  the tokens sampled by the version the trainer holds (numerics alone): ``mismatch_kl_k3_same_version``,
+  ``mismatch_abs_dlogp_max_same_version`` and their count ``mismatch_same_version_tokens`` (both 0.0 when
+  the count is 0, as in a step whose every token is stale). ``mismatch_pairs`` holds a deterministic,
   evenly spaced subsample of ``[p_sampler, p_trainer]`` pairs for the report (not a number: the run loop
   keeps it out of ``metrics.jsonl``).
 - ``publish_state`` is the one seam through which weights leave the trainer: a dict of fresh numpy arrays
@@ -129,7 +134,7 @@ MISMATCH_PAIRS = 2000
 
 def _new_acc() -> dict[str, Any]:
     return {"ent": 0.0, "mis": 0.0, "mis_n": 0, "k1": 0.0, "abs": 0.0, "abs_max": 0.0, "out": 0, "w": 0.0,
-            "w2": 0.0, "pairs": []}  # fmt: skip
+            "w2": 0.0, "pairs": [], "same_mis": 0.0, "same_n": 0, "same_abs_max": 0.0}  # fmt: skip
 
 
 def _mismatch_metrics(acc: dict[str, Any]) -> dict[str, Any]:
@@ -150,6 +155,9 @@ def _mismatch_metrics(acc: dict[str, Any]) -> dict[str, Any]:
         "mismatch_ratio_out_frac": acc["out"] / max(n, 1),
         "mismatch_ess": acc["w"] ** 2 / (n * acc["w2"]) if n and acc["w2"] > 0 else 1.0,
         "mismatch_tokens": n,
+        "mismatch_kl_k3_same_version": acc["same_mis"] / max(acc["same_n"], 1),
+        "mismatch_abs_dlogp_max_same_version": acc["same_abs_max"],
+        "mismatch_same_version_tokens": acc["same_n"],
         "mismatch_pairs": pairs,
     }
 
@@ -266,11 +274,12 @@ class Trainer:
         acc = _new_acc()
         self.routing.begin_step()
         olds: list[list[torch.Tensor]] = []
+        v = self.version  # the weights' version until this step's first update
         if not single:
             # Old logprobs under the weights before the first update, from a no-grad pass.
             with torch.no_grad():
                 for mbs, _ in packed:
-                    olds.append([self._observe(self._logprobs(mb, True, acc, True), mb, acc) for mb in mbs])
+                    olds.append([self._observe(self._logprobs(m, True, acc, True), m, acc, v) for m in mbs])
         weighted = {"clip_frac": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0, "kl_ref": 0.0}
         if self.correction.kind == "tis":
             weighted.update(is_weight_mean=0.0, is_clipped_frac=0.0)
@@ -289,7 +298,7 @@ class Trainer:
                     lp = out.logprobs
                     # With one update per step the old logprobs equal this forward pass exactly, so they are
                     # taken from it (detached) instead of from a second, bit-identical no-grad pass.
-                    old = self._observe(out, mb, acc) if single else olds[k][j]
+                    old = self._observe(out, mb, acc, v) if single else olds[k][j]
                     ref = None
                     if self.ref_model is not None:
                         with torch.no_grad():
@@ -347,8 +356,9 @@ class Trainer:
             return token_logprobs(self.model, mb, with_entropy=with_entropy)
 
     @staticmethod
-    def _observe(out: LogprobOutput, mb: MicroBatch, acc: dict[str, Any]) -> torch.Tensor:
-        """Accumulate entropy and trainer-vs-sampler mismatch of a forward; return detached logprobs."""
+    def _observe(out: LogprobOutput, mb: MicroBatch, acc: dict[str, Any], version: int) -> torch.Tensor:
+        """Accumulate entropy and trainer-vs-sampler mismatch of a forward under the weights of ``version``
+        (separately, too, over the tokens sampled at that same version); return detached logprobs."""
         old = out.logprobs.detach()
         if out.entropy is not None:
             acc["ent"] += float((out.entropy.detach() * mb.loss_mask).sum())
@@ -363,6 +373,11 @@ class Trainer:
         if lr64.numel():
             acc["abs_max"] = max(acc["abs_max"], float(lr64.abs().max()))
         acc["out"] += int(((w < MISMATCH_BAND[0]) | (w > MISMATCH_BAND[1])).sum())
+        same = (mb.versions[ok] == version).to(torch.float64)  # sampled by the weights the trainer holds
+        if (n_same := int(same.sum())) > 0:
+            acc["same_mis"] += float(((torch.expm1(lr64) - lr64) * same).sum())
+            acc["same_n"] += n_same
+            acc["same_abs_max"] = max(acc["same_abs_max"], float((lr64.abs() * same).max()))
         acc["w"] += float(w.sum())
         acc["w2"] += float((w * w).sum())
         acc["pairs"].append(torch.stack([mb.sampler_logprobs[ok].double().exp(), old[ok].double().exp()], 1))
