@@ -20,7 +20,7 @@ def test_deterministic_run_has_zero_mismatch(tmp_path, model, joined_ray):
     sets += [
         "train.deterministic=true", "orchestrator.steps=1", "eval.before_after=false",
         # every trajectory is forwarded (zero-advantage ones too), so the mismatch covers every sampled token
-        "train.is_correction=icepop",
+        "train.is_correction=icepop", "train.mask_truncated=false",  # truncated ones too (random MoE)
     ]  # fmt: skip
     args = ["train", "--preset", "smoke", "--run-dir", str(run_dir), *[x for s in sets for x in ("--set", s)]]
     cmd = [sys.executable, "-m", "tandem.cli.main", *args]

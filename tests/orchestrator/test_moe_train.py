@@ -21,6 +21,7 @@ def test_train_moe_with_router_replay(tmp_path, joined_ray):
         f"model.path={model}",
         "train.router_replay=r3",
         "train.is_correction=icepop",  # forwards every trajectory, also zero-advantage ones
+        "train.mask_truncated=false",  # and truncated ones: the random model's sessions all hit the limits
         "orchestrator.steps=1",
         "eval.before_after=false",
         "tasks.max_turns=2",

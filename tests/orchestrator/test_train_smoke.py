@@ -77,6 +77,8 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
     assert 0.0 < summary["machine_busy_cores"] <= (os.cpu_count() or 1)
     report = (run_dir / "report.md").read_text()
     assert "machine cores busy" in report and "policy entropy per sampled token: first fifth" in report
+    assert "truncated sessions (turn, token or time limit): first fifth" in report
+    assert "kept out of the loss (train.mask_truncated)" in report  # overlong filtering is on by default
     # step 1 trains only tokens the starting weights sampled: the same version as the trainer's
     assert rows[0]["train/mismatch_same_version_tokens"] == rows[0]["train/mismatch_tokens"]
     # the run says which engine served it and why (the smoke preset names the built-in engine)

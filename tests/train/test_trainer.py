@@ -155,6 +155,33 @@ def test_edge_cases_empty_no_tokens_and_zero_variance(model_dir):
     assert m["trained_tokens"] == 4 and m["zero_adv_groups"] == 1
 
 
+def _truncated_group(last_sampled=True):
+    """Rewards [1, 0, 0]; the last trajectory is flagged truncated (with its tokens, or none sampled)."""
+    g = _fixed_group([1, 0, 0])
+    if not last_sampled:
+        b = SegmentBuilder()
+        b.add_context([1, 2, 5, 7, 8])
+        g.trajectories[2] = Trajectory("t", [b.build()], Reward(0))
+    g.trajectories[2].flags["truncated"] = True
+    return g
+
+
+def test_mask_truncated_trains_as_if_the_truncated_tokens_were_never_sampled(model_dir):
+    """Overlong filtering: the truncated trajectory keeps its reward in the advantages (the others' update
+    is the one of a 3-sample group), but none of its tokens is trained or in the denominator."""
+    masked = Trainer(model_dir, _config())  # on by default
+    m = masked.step([_truncated_group()])
+    assert m["truncated_masked_samples"] == 1 and m["dropped_samples"] == 1
+    assert m["trained_tokens"] == 4 and m["sampled_tokens"] == 6 and m["updated"] == 1
+    unsampled = Trainer(model_dir, _config(mask_truncated=False))
+    u = unsampled.step([_truncated_group(last_sampled=False)])
+    assert u["truncated_masked_samples"] == 0 and u["trained_tokens"] == 4
+    a, b = masked.publish_state(), unsampled.publish_state()
+    assert all(np.array_equal(a[k], b[k]) for k in a)  # bit-identical updates
+    plain = Trainer(model_dir, _config(mask_truncated=False)).step([_truncated_group()])  # off: flag ignored
+    assert plain["truncated_masked_samples"] == 0 and plain["trained_tokens"] == 6
+
+
 def test_kl_to_reference_keeps_zero_advantage_samples(model_dir):
     trainer = Trainer(model_dir, _config(kl_coef=0.1))
     m = trainer.step([_fixed_group([1, 0, 0.5])])

@@ -566,6 +566,14 @@ class TrainConfig(Section):
     """Cap C of the truncated importance weight (`tis`)."""
     icepop_band: tuple[float, float] = (0.5, 5.0)
     """Inclusive band [low, high] of the ratio kept by `mask_seq`, `mask_geo` and `icepop`."""
+    mask_truncated: bool = True
+    """Overlong filtering (DAPO, arXiv 2503.14476): trajectories flagged ``truncated`` (turn limit, token
+    budget, a turn cut at ``rollout.max_new_tokens``, or the wall-clock limit) still count in their group's
+    advantage baseline but are not trained and leave the loss denominator, so a policy is not pushed away
+    from (or toward) an answer it was not allowed to finish. ``train/truncated_masked_samples`` counts
+    them. On by default: in paired async runs of the default config (docs/results.md, 2026-12-03) every
+    run with it kept its entropy low and gained held-out pass@1, while the runs without it at 3x the
+    learning rate collapsed or stalled. The price: the share of sessions ending truncated falls less."""
     kl_coef: float = 0.0
     """Coefficient of the k3 KL penalty to the initial policy; 0 disables it and skips that forward pass."""
     router_replay: Literal["off", "r3", "r2"] = "off"

@@ -209,6 +209,17 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
                 f"- policy entropy per sampled token: first fifth {avg(first, 'train/entropy'):.3g} -> "
                 f"last fifth {avg(last, 'train/entropy'):.3g}"
             )
+        if "truncated_frac" in rows[-1]:
+            masked = sum(r.get("train/truncated_masked_samples", 0) for r in rows)
+            lines.append(
+                "- truncated sessions (turn, token or time limit): first fifth "
+                f"{avg(first, 'truncated_frac'):.3g} -> last fifth {avg(last, 'truncated_frac'):.3g}"
+                + (
+                    f"; {int(masked)} kept out of the loss (train.mask_truncated)"
+                    if cfg.train.mask_truncated
+                    else ""
+                )
+            )
         routed = [r for r in last if "train/routing_agreement" in r]
         if routed:  # MoE: see tandem.train.routing
             lines.append(

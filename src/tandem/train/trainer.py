@@ -22,7 +22,10 @@ Invariants:
   forwarded and the denominator is the number of *unmasked* sampled tokens of the update (masked tokens count
   as never sampled); ``is_masked_frac`` reports the share removed. With ``loss = "dapo"`` zero-variance groups
   (all rewards equal) are left out of the batch and of the denominator (DAPO's dynamic sampling, without
-  refilling the batch). A token with ``loss_mask == 1`` but no (finite) sampler logprob is never trained.
+  refilling the batch). With ``mask_truncated`` a trajectory flagged ``truncated`` keeps its reward in the
+  group's advantages but is not trained and its tokens leave the denominator (``truncated_masked_samples``
+  counts them; they are also in ``dropped_samples``). A token with ``loss_mask == 1`` but no (finite)
+  sampler logprob is never trained.
 - Mismatch metrics, every step, over the sampled tokens that were forwarded, from the trainer's old
   (pre-update) logprobs and the sampler's: ``mismatch_kl_k1`` (mean of log p_sampler - log p_trainer, an
   unbiased estimate of KL(sampler || trainer) that can be negative), ``mismatch_kl_k3`` (= ``mismatch_kl``,
@@ -221,7 +224,7 @@ class Trainer:
         drop_zero = cfg.kl_coef == 0.0 and not self.correction.masks
         chunks: list[tuple[list[SequenceInput], int]] = []  # per non-empty group: its sequences, sampled
         rewards: list[float] = []
-        total_sampled = samples = zero_groups = skipped_groups = dropped = 0
+        total_sampled = samples = zero_groups = skipped_groups = dropped = truncated_masked = 0
         for gi, g in enumerate(groups):
             r = g.rewards()
             rewards.extend(r.tolist())
@@ -238,22 +241,29 @@ class Trainer:
                 continue
             adv = group_advantages(r)
             group_seqs: list[SequenceInput] = []
+            group_sampled = 0
             for ti, t in enumerate(g.trajectories):
                 samples += 1
                 total_sampled += counts[ti]
+                if cfg.mask_truncated and t.flags.get("truncated", False):  # overlong filtering
+                    truncated_masked += 1
+                    dropped += 1
+                    continue
+                group_sampled += counts[ti]
                 if counts[ti] == 0 or (drop_zero and adv[ti] == 0.0):
                     dropped += 1
                     continue
                 for seg in t.segments:
                     if _sampled_count(seg):
                         group_seqs.append(SequenceInput(seg, float(adv[ti]), gi, ti))
-            chunks.append((group_seqs, sum(counts)))
+            chunks.append((group_seqs, group_sampled))
         rw = np.asarray(rewards, np.float64)
         metrics: dict[str, Any] = {
             "loss": 0.0, "grad_norm": 0.0, "clip_frac": 0.0, "ratio_mean": 1.0, "approx_kl": 0.0,
             "entropy": 0.0, "mismatch_kl": 0.0, "tokens": 0, "sampled_tokens": total_sampled,
             "trained_tokens": 0, "samples": samples, "dropped_samples": dropped, "groups": len(groups),
             "zero_adv_groups": zero_groups, "skipped_groups": skipped_groups, "micro_batches": 0,
+            "truncated_masked_samples": truncated_masked,
             "reward_mean": float(rw.mean()) if rw.size else 0.0,
             "reward_std": float(rw.std()) if rw.size else 0.0, "updated": 0, "updates": 0,
             **_mismatch_metrics(_new_acc()), "is_masked_frac": 0.0,
