@@ -18,16 +18,16 @@ fraction); the default training run's lr (1e-4) changes far more of them.
 
 Measured, in order:
 1. Every engine loads version 0 (a full snapshot) through its relay.
-2. ``delta_s``: after ``warmup_deltas`` (default 1) untimed deltas, ``deltas`` times, a new version is
-   published as a delta; the time from the start of publish to every engine serving it (fetch through the
-   relay, decode, verify, patch; an engine serves the version from the end of its pause, its ``live_at``;
-   the writes it leaves for after the pause, such as bringing its second weight bank up to date, are in
-   ``engine_total_s``, not here). The mean is reported; ``pause_ms`` is the largest engine pause of a
-   patch. ``breakdown`` splits it: the publish (encode, hash, write), and per engine (mean over engines)
-   the fetch, the decode with verification, the pause, and the engine's whole sync. ``first_delta_s`` is
-   the first warm-up delta's time, reported apart: the first delta each process handles after start-up
-   (its first share files, patch plans and decodes of real data), a one-off in an engine's lifetime
-   rather than the steady state a training run lives in.
+2. ``delta_s``: after ``warmup_deltas`` (default 1) untimed deltas, ``deltas`` (default ``DEFAULT_DELTAS``)
+   times, a new version is published as a delta; the time from the start of publish to every engine
+   serving it (fetch through the relay, decode, verify, patch; an engine serves the version from the end
+   of its pause, its ``live_at``; the writes it leaves for after the pause, such as bringing its second
+   weight bank up to date, are in ``engine_total_s``, not here). The mean is reported; ``pause_ms`` is
+   the largest engine pause of a patch. ``breakdown`` splits it: the publish (encode, hash, write), and
+   per engine (mean over engines) the fetch, the decode with verification, the pause, and the engine's
+   whole sync. ``first_delta_s`` is the first warm-up delta's time, reported apart: the first delta each
+   process handles after start-up (its first share files, patch plans and decodes of real data), a
+   one-off in an engine's lifetime rather than the steady state a training run lives in.
 3. ``full_s``: the same newest version published as a full snapshot to a second store (no delta available,
    nothing cached at the relays); the time from publish to every engine serving it through a full reload;
    ``full_reload_ms`` is the largest engine pause of that reload.
@@ -86,6 +86,11 @@ from tandem.weights.hostshare import default_share_root
 SIZES = ("100m", "default")
 DEFAULT_LR = {"100m": 1e-6, "default": 2e-6}
 """Per-size learning rate of the trainer steps that make the versions (about 1-2% of bf16 weights change)."""
+DEFAULT_DELTAS = 8
+"""Timed delta syncs per run. A single sync's decode-rate ratio (its window is about 0.7 s, about 17 decode
+steps of the loaded engine) ranged 0.76-1.11 on 2026-12-02/03, so with 3 syncs one slow window decided the
+run's ratio (0.875-0.977 over ten 3-sync runs on 2026-12-02, 0.895 on 2026-12-03); 8 syncs cost about 50 s
+more and cut the standard error of the run's mean by sqrt(8/3), about 1.6x."""
 BANDWIDTH_MBPS = (0.01, 1e6)
 """Link rates the benchmark takes, Mbit/s: below 0.01 the first full version alone takes over 2.5 hours
 through each relay (the shipped model; about 2 days for 100m; at 1e-300 the token bucket sleeps forever);
@@ -234,7 +239,7 @@ def run_sync_bench(
     relays: int = 2,
     engines: int = 4,
     bandwidth_mbps: float = 100.0,
-    deltas: int = 3,
+    deltas: int = DEFAULT_DELTAS,
     lr: float | None = None,
     warmup: int = 3,
     size: str = "100m",

@@ -368,7 +368,7 @@ def bench_sync(
     relays: Annotated[int, typer.Option(help="Relays (regions), each with its own throttled link.")] = 2,
     engines: Annotated[int, typer.Option(help="Engine processes, spread over the relays.")] = 4,
     bandwidth_mbps: Annotated[float, typer.Option(help="Each relay's upstream link, Mbit/s.")] = 100.0,
-    deltas: Annotated[int, typer.Option(help="Delta versions to publish and time.")] = 3,
+    deltas: Annotated[int, typer.Option(help="Delta versions to publish and time.")] = 8,  # DEFAULT_DELTAS
     warmup_deltas: Annotated[
         int, typer.Option(help="Untimed delta versions first (the first one is reported as first_delta_s).")
     ] = 1,
