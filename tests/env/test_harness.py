@@ -11,7 +11,7 @@ from tandem.core.config import RewardConfig, SandboxConfig
 from tandem.core.generation import Completion, SamplingParams
 from tandem.core.records import Message
 from tandem.env.expert import expert_transcript
-from tandem.env.harness import WALL_TIME_UP, run_session
+from tandem.env.harness import TRUNCATION_CAUSES, WALL_TIME_UP, run_session
 from tandem.env.tasks import TOOLS, generate_task
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "tandem-base"
@@ -59,6 +59,7 @@ def test_expert_session_is_token_exact_and_scored(chat):
     assert np.all(seg.versions[sampled] == 5) and np.all(seg.versions[~sampled] == -1)
     assert np.all(np.isnan(seg.sampler_logprobs[~sampled]))
     assert traj.flags["submitted"] and not traj.flags["truncated"]
+    assert not any(traj.flags[f"truncated_{cause}"] for cause in TRUNCATION_CAUSES)
     # the transcript's tool observations are exactly what the harness produced
     tool_msgs = [m.content for m in traj.messages if m.role == "tool"]
     assert tool_msgs == [m.content for m in messages if m.role == "tool"]
@@ -116,7 +117,43 @@ def test_tool_calls_stop_at_the_sessions_wall_time(chat):
     observations = [m.content for m in traj.messages if m.role == "tool"]
     assert "timed out" in observations[0] and observations[1:] == [WALL_TIME_UP]
     assert traj.flags["truncated"] and traj.tool_stats["turns"] == 1 and traj.tool_stats["tool_calls"] == 1
+    assert causes(traj) == ["time"]
     assert traj.timings["tools_s"] < 9  # the first sleep was cut at the session's 3 s
+
+
+def causes(traj):
+    return [c for c in TRUNCATION_CAUSES if traj.flags[f"truncated_{c}"]]
+
+
+def test_each_truncation_names_the_limit_that_ended_it(chat):
+    """`truncated` says a limit ended the session; `truncated_<cause>` says which one, so a run's report can
+    tell a turn limit from a token budget from a turn cut at `rollout.max_new_tokens`."""
+    import dataclasses
+
+    base = generate_task("train", 3, 0, 1)
+    prompt_len = len(chat.render_prompt(base.prompt, TOOLS))
+
+    def limited(**kw):
+        return dataclasses.replace(base, limits=dataclasses.replace(base.limits, **kw))
+
+    async def cut(request):  # a turn that ran out of tokens before its end token
+        ids = chat.render_assistant(Message("assistant", "thinking " * 50))[:8]
+        return Completion(ids, [-0.25] * len(ids), [1] * len(ids), "length")
+
+    silent = [Message("assistant", "hello")] * 3
+    traj = run(limited(max_turns=2, max_tokens=8192), scripted(chat, silent)[0], chat)
+    assert causes(traj) == ["turns"] and traj.tool_stats["turns"] == 2
+
+    traj = run(limited(max_tokens=8192), cut, chat)  # room left: the turn hit max_new_tokens
+    assert causes(traj) == ["turn_cut"] and traj.flags["truncated"]
+
+    traj = run(limited(max_tokens=prompt_len + 8), cut, chat)  # the budget's last 8 tokens
+    assert causes(traj) == ["tokens"]
+
+    reply = Message("assistant", "", [{"name": "run", "arguments": {"command": "echo hi"}}])
+    fits = prompt_len + len(chat.render_assistant(reply)) + 1  # the reply fits, its observation does not
+    traj = run(limited(max_tokens=fits), scripted(chat, [reply, reply])[0], chat)
+    assert causes(traj) == ["tokens"] and traj.tool_stats["turns"] == 1
 
 
 def test_engine_error_ends_the_session_with_zero_reward(chat):

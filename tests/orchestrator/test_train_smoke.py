@@ -79,6 +79,10 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
     assert "machine cores busy" in report and "policy entropy per sampled token: first fifth" in report
     assert "truncated sessions (turn, token or time limit): first fifth" in report
     assert "kept out of the loss (train.mask_truncated)" in report  # overlong filtering is on by default
+    assert "truncated by each limit (first fifth -> last fifth): turn limit (tasks.max_turns)" in report
+    for row in rows:  # every truncated session names exactly one limit (tandem.env.harness)
+        by_cause = sum(row[f"truncated_{c}_frac"] for c in ("turns", "tokens", "turn_cut", "time"))
+        assert abs(by_cause - row["truncated_frac"]) < 1e-9, row
     # step 1 trains only tokens the starting weights sampled: the same version as the trainer's
     assert rows[0]["train/mismatch_same_version_tokens"] == rows[0]["train/mismatch_tokens"]
     # the run says which engine served it and why (the smoke preset names the built-in engine)

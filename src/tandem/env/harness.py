@@ -11,6 +11,11 @@ Invariants:
   (``session_error``). The sandbox is always closed (its
   teardown runs on the sandbox reaper). It is created while the engine writes the first turn, so its
   start latency is hidden; a sandbox that cannot start ends the session at the first tool call.
+- A session ended by a limit has ``flags["truncated"]`` and exactly one of the ``TRUNCATION_CAUSES`` flags
+  (``truncated_<cause>``): ``turns`` (``tasks.max_turns``), ``tokens`` (the session's ``tasks.max_tokens``
+  budget: no room left, a turn cut at what was left of it, or an observation that would not fit), ``turn_cut``
+  (a turn reached ``rollout.max_new_tokens`` with room left in the budget) or ``time``
+  (``tasks.wall_time_s``). An untruncated session has all of them False.
 - Scoring happens in a fresh sandbox on a snapshot of the agent's workspace (see ``tandem.env.reward``).
 - The trajectory carries the agent's full diff against ``task.workspace`` (``Trajectory.diff``) and
   ``flags["tests_edited"]`` (a protected file changed or a file named like a hidden test added).
@@ -45,6 +50,8 @@ NO_REQUESTS = (
     "$TANDEM_SESSION?)"
 )
 ERROR_FLAGS = ("engine_error", "sandbox_error", "no_requests")
+TRUNCATION_CAUSES = ("turns", "tokens", "turn_cut", "time")
+"""Why a truncated session ended (``flags["truncated_<cause>"]``, see the module invariants)."""
 
 
 def session_error(trajectory: Trajectory) -> str | None:
@@ -108,7 +115,13 @@ async def run_session(
         "limit_violation": False,
         "symlinks_ignored": False,
         "snapshot_limited": False,
+        **{f"truncated_{cause}": False for cause in TRUNCATION_CAUSES},
     }
+
+    def truncate(cause: str) -> None:
+        flags["truncated"] = True
+        flags[f"truncated_{cause}"] = True
+
     timings = {"generate_s": 0.0, "tools_s": 0.0, "score_s": 0.0}
     messages: list[Message] = list(task.prompt)
     builder = SegmentBuilder()
@@ -138,11 +151,14 @@ async def run_session(
     try:
         while True:
             if stats["turns"] >= limits.max_turns:
-                flags["truncated"] = True
+                truncate("turns")
                 break
             budget = limits.max_tokens - len(builder)
-            if budget <= 0 or time.monotonic() - started > limits.wall_time_s:
-                flags["truncated"] = True
+            if budget <= 0:
+                truncate("tokens")
+                break
+            if time.monotonic() - started > limits.wall_time_s:
+                truncate("time")
                 break
             params = dataclasses.replace(
                 sampling,
@@ -169,7 +185,7 @@ async def run_session(
             messages.append(Message("assistant", text, calls))
             if completion.finish_reason != "stop":
                 # The turn was cut before its end token: the context cannot continue token-exactly.
-                flags["truncated"] = True
+                truncate("tokens" if params.max_new_tokens < sampling.max_new_tokens else "turn_cut")
                 break
             observations: list[Message] = []
             for err in errors:
@@ -185,7 +201,7 @@ async def run_session(
                 left = limits.wall_time_s - (time.monotonic() - started)
                 if left <= 0:  # the session's time is up: later calls of this turn are not run
                     observations.append(Message("tool", WALL_TIME_UP))
-                    flags["truncated"] = True
+                    truncate("time")
                     break
                 stats["tool_calls"] += 1
                 timeout = min(sandbox.config.timeout_s, left)
@@ -202,7 +218,7 @@ async def run_session(
                 break
             continuation = chat.render_continuation(observations)
             if len(builder) + len(continuation) >= limits.max_tokens:
-                flags["truncated"] = True
+                truncate("tokens")
                 break
             builder.add_context(continuation)
         if await ready():

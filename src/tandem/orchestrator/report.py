@@ -220,6 +220,19 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
                     else ""
                 )
             )
+            if all("truncated_turns_frac" in r for r in first + last):  # which limit (tandem.env.harness)
+                causes = {
+                    "turn limit (tasks.max_turns)": "truncated_turns_frac",
+                    "token budget (tasks.max_tokens)": "truncated_tokens_frac",
+                    "a turn cut at rollout.max_new_tokens": "truncated_turn_cut_frac",
+                    "time limit (tasks.wall_time_s)": "truncated_time_frac",
+                }
+                lines.append(
+                    "- of all sessions, truncated by each limit (first fifth -> last fifth): "
+                    + ", ".join(
+                        f"{name} {avg(first, k):.3g} -> {avg(last, k):.3g}" for name, k in causes.items()
+                    )
+                )
         routed = [r for r in last if "train/routing_agreement" in r]
         if routed:  # MoE: see tandem.train.routing
             lines.append(

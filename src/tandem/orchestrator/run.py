@@ -36,6 +36,7 @@ from tandem.core.config import RunConfig, dump_config
 from tandem.core.errors import TandemError
 from tandem.core.procs import busy_cores, cpu_ticks
 from tandem.core.stopping import StoppedError, StopRequested, raise_if_stopping, stop_on_signals
+from tandem.env.harness import TRUNCATION_CAUSES
 from tandem.orchestrator.actors import BufferActor, EngineActor, RolloutActor, TrainerActor
 from tandem.orchestrator.crew import RolloutCrew
 from tandem.orchestrator.fleet import CHECK_EVERY_S, EngineFleet
@@ -579,6 +580,10 @@ def _step_row(step, version, groups, metrics, info, samples, samples_total, elap
         "turns_mean": float(np.mean([t.tool_stats.get("turns", 0) for t in trajs])),
         "malformed_calls": int(sum(t.tool_stats.get("malformed_calls", 0) for t in trajs)),
         "truncated_frac": float(np.mean([t.flags.get("truncated", False) for t in trajs])),
+        **{
+            f"truncated_{c}_frac": float(np.mean([t.flags.get(f"truncated_{c}", False) for t in trajs]))
+            for c in TRUNCATION_CAUSES
+        },
         "submitted_frac": float(np.mean([t.flags.get("submitted", False) for t in trajs])),
         "tests_edited_frac": float(np.mean([t.flags.get("tests_edited", False) for t in trajs])),
         "limit_violation_frac": float(np.mean([t.flags.get("limit_violation", False) for t in trajs])),
