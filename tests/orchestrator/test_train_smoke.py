@@ -83,6 +83,20 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
     for row in rows:  # every truncated session names exactly one limit (tandem.env.harness)
         by_cause = sum(row[f"truncated_{c}_frac"] for c in ("turns", "tokens", "turn_cut", "time"))
         assert abs(by_cause - row["truncated_frac"]) < 1e-9, row
+    # a few sessions of every step, whole, to read what the policy did
+    samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
+    per_step = {r["step"]: [s for s in samples if s["step"] == r["step"]] for r in rows}
+    assert all(len(v) == 2 for v in per_step.values()), {k: len(v) for k, v in per_step.items()}
+    for s in samples:
+        assert s["messages"][0]["role"] in ("system", "user") and s["messages"][-1]["role"] in (
+            "assistant",
+            "tool",
+        )
+        assert 0.0 <= s["reward"] <= 1.0 and s["sampled_tokens"] > 0 and s["sampled_by"] <= s["step"]
+        assert s["flags"]["truncated"] == any(
+            s["flags"][f"truncated_{c}"] for c in ("turns", "tokens", "turn_cut", "time")
+        )
+    assert "samples.jsonl" in report
     # step 1 trains only tokens the starting weights sampled: the same version as the trainer's
     assert rows[0]["train/mismatch_same_version_tokens"] == rows[0]["train/mismatch_tokens"]
     # the run says which engine served it and why (the smoke preset names the built-in engine)

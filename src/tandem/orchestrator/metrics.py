@@ -1,7 +1,13 @@
-"""Run observability: ``metrics.jsonl`` (one JSON object per trainer step), TensorBoard events, progress line.
+"""Run observability: ``metrics.jsonl`` (one JSON object per trainer step), ``samples.jsonl`` (a few of each
+step's sessions, whole), TensorBoard events, progress line.
 
-Invariants: every logged row is flushed before ``log`` returns, so a crashed run keeps every finished step;
-rows contain only JSON scalars.
+Invariants: every logged row is flushed before ``log`` (``log_samples``) returns, so a crashed run keeps
+every finished step; metrics rows contain only JSON scalars. A sample row is one trained session as the
+trainer got it: its task, the version that sampled its oldest token, reward and components, flags, tool
+statistics, timings, the conversation's messages and the agent's diff (no token arrays: those are in the
+trajectory record, ``tandem.core.records``). A resumed run appends to both files, so a step repeated after
+a resume appears twice, and its later rows are the ones the run kept (``tandem report compare`` reads
+metrics that way).
 """
 
 from __future__ import annotations
@@ -12,13 +18,48 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tandem.core.records import Group
+
+
+def sample_rows(step: int, groups: list[Group], limit: int) -> list[dict[str, Any]]:
+    """Up to ``limit`` sessions of a step's ``groups`` as ``samples.jsonl`` rows, taken round-robin: each
+    group's first session in group order, then each group's second, and so on, so a step's samples span
+    its tasks before they repeat one. Which sessions is fixed by the batch's order, never by their reward."""
+    picked = []
+    depth = max((len(g.trajectories) for g in groups), default=0)
+    for i in range(depth):
+        for gi, g in enumerate(groups):
+            if i < len(g.trajectories) and len(picked) < limit:
+                picked.append((gi, i, g.trajectories[i]))
+    return [
+        {
+            "step": step,
+            "group": gi,
+            "index": i,
+            "task_id": t.task_id,
+            "sampled_by": t.oldest_version(),
+            "sampled_tokens": t.num_sampled,
+            "reward": t.reward.value,
+            "components": dict(t.reward.components),
+            "flags": dict(t.flags),
+            "tool_stats": dict(t.tool_stats),
+            "timings": dict(t.timings),
+            "messages": [m.to_dict() for m in t.messages],
+            "diff": t.diff,
+        }
+        for gi, i, t in picked
+    ]
+
 
 class MetricsLogger:
-    """Appends step rows to ``run_dir/metrics.jsonl`` and mirrors numeric values to TensorBoard."""
+    """Appends step rows to ``run_dir/metrics.jsonl`` (and sessions to ``run_dir/samples.jsonl``) and mirrors
+    numeric values to TensorBoard."""
 
     def __init__(self, run_dir: Path, append: bool = False) -> None:
         self.path = run_dir / "metrics.jsonl"
+        self.samples_path = run_dir / "samples.jsonl"
         self._file = self.path.open("a" if append else "w")
+        self._samples = self.samples_path.open("a" if append else "w")
         self._tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -36,8 +77,14 @@ class MetricsLogger:
                     self._tb.add_scalar(k, v, row["step"])
             self._tb.flush()
 
+    def log_samples(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            self._samples.write(json.dumps(row) + "\n")
+        self._samples.flush()
+
     def close(self) -> None:
         self._file.close()
+        self._samples.close()
         if self._tb is not None:
             self._tb.close()
 

@@ -177,6 +177,11 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
         *(f"- lost during the run, which went on without it: {line}" for line in result.lost),
         *(f"- restarted during the run: {line}" for line in result.restarted),
     ]
+    if cfg.orchestrator.samples_per_step:
+        lines.append(
+            f"- sessions to read: up to {cfg.orchestrator.samples_per_step} per step, whole, in "
+            "`samples.jsonl` (orchestrator.samples_per_step)"
+        )
     if rows:
         first, last = rows[: max(1, len(rows) // 5)], rows[-max(1, len(rows) // 5) :]
         avg = lambda rs, k: sum(r[k] for r in rs) / len(rs)  # noqa: E731

@@ -40,7 +40,7 @@ from tandem.env.harness import TRUNCATION_CAUSES
 from tandem.orchestrator.actors import BufferActor, EngineActor, RolloutActor, TrainerActor
 from tandem.orchestrator.crew import RolloutCrew
 from tandem.orchestrator.fleet import CHECK_EVERY_S, EngineFleet
-from tandem.orchestrator.metrics import MetricsLogger, ProgressLine
+from tandem.orchestrator.metrics import MetricsLogger, ProgressLine, sample_rows
 from tandem.orchestrator.rundir import check_run_dir, previous_run
 from tandem.orchestrator.weightpath import WeightPath
 
@@ -378,6 +378,7 @@ def _run(
                     progress.note(f"{'' if line in restarted else 'lost '}{line}; the run goes on")
             engine_last = engine_now
             logger.log(row)
+            logger.log_samples(sample_rows(step, groups, o.samples_per_step))
             st.step = step
             history.append(row)
             progress.update(row)
