@@ -209,6 +209,11 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
                 f"tokens): KL k3 {kl_same / n_same:.3g}, max |dlogp| "
                 f"{max(r['train/mismatch_abs_dlogp_max_same_version'] for r in same):.3g}"
             )
+        elif any("train/mismatch_same_version_tokens" in r for r in last):
+            lines.append(
+                "- of which tokens sampled by the trainer's own version (numerics alone): none in the last "
+                "fifth, every trained token was sampled by an older version (staleness histogram above)"
+            )
         if "train/entropy" in rows[-1]:
             lines.append(
                 f"- policy entropy per sampled token: first fifth {avg(first, 'train/entropy'):.3g} -> "
