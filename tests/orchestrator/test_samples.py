@@ -3,7 +3,7 @@
 import json
 
 from tandem.core.records import Group, Message, Reward, SegmentBuilder, Trajectory
-from tandem.orchestrator.metrics import sample_rows
+from tandem.orchestrator.samples import sample_rows
 
 
 def _traj(task: str, reward: float, version: int) -> Trajectory:

@@ -671,8 +671,8 @@ class OrchestratorConfig(Section):
     samples_per_step: int = Field(2, ge=0, le=1024)
     """Sessions of each step written whole to the run directory's ``samples.jsonl`` (task, reward and its
     components, flags, tool statistics, timings, the conversation and the agent's diff), taken round-robin
-    over the step's groups (``tandem.orchestrator.metrics.sample_rows``), to read what the policy does. 0:
-    none (the file stays empty)."""
+    over the step's groups (``tandem.orchestrator.samples.sample_rows``), to read what the policy does
+    (``tandem report samples RUN_DIR``). 0: none (the file stays empty)."""
     ray_address: str | None = None
     """Join this Ray cluster instead of starting a local one."""
     request_timeout_s: float = 300.0

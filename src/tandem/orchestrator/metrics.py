@@ -18,38 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tandem.core.records import Group
-
-
-def sample_rows(step: int, groups: list[Group], limit: int) -> list[dict[str, Any]]:
-    """Up to ``limit`` sessions of a step's ``groups`` as ``samples.jsonl`` rows, taken round-robin: each
-    group's first session in group order, then each group's second, and so on, so a step's samples span
-    its tasks before they repeat one. Which sessions is fixed by the batch's order, never by their reward."""
-    picked = []
-    depth = max((len(g.trajectories) for g in groups), default=0)
-    for i in range(depth):
-        for gi, g in enumerate(groups):
-            if i < len(g.trajectories) and len(picked) < limit:
-                picked.append((gi, i, g.trajectories[i]))
-    return [
-        {
-            "step": step,
-            "group": gi,
-            "index": i,
-            "task_id": t.task_id,
-            "sampled_by": t.oldest_version(),
-            "sampled_tokens": t.num_sampled,
-            "reward": t.reward.value,
-            "components": dict(t.reward.components),
-            "flags": dict(t.flags),
-            "tool_stats": dict(t.tool_stats),
-            "timings": dict(t.timings),
-            "messages": [m.to_dict() for m in t.messages],
-            "diff": t.diff,
-        }
-        for gi, i, t in picked
-    ]
-
 
 class MetricsLogger:
     """Appends step rows to ``run_dir/metrics.jsonl`` (and sessions to ``run_dir/samples.jsonl``) and mirrors

@@ -180,7 +180,7 @@ def write_report(run_dir: Path, result: RunResult, cfg: RunConfig) -> Path:
     if cfg.orchestrator.samples_per_step:
         lines.append(
             f"- sessions to read: up to {cfg.orchestrator.samples_per_step} per step, whole, in "
-            "`samples.jsonl` (orchestrator.samples_per_step)"
+            "`samples.jsonl` (orchestrator.samples_per_step; `tandem report samples RUN_DIR --truncated`)"
         )
     if rows:
         first, last = rows[: max(1, len(rows) // 5)], rows[-max(1, len(rows) // 5) :]

@@ -40,8 +40,9 @@ from tandem.env.harness import TRUNCATION_CAUSES
 from tandem.orchestrator.actors import BufferActor, EngineActor, RolloutActor, TrainerActor
 from tandem.orchestrator.crew import RolloutCrew
 from tandem.orchestrator.fleet import CHECK_EVERY_S, EngineFleet
-from tandem.orchestrator.metrics import MetricsLogger, ProgressLine, sample_rows
+from tandem.orchestrator.metrics import MetricsLogger, ProgressLine
 from tandem.orchestrator.rundir import check_run_dir, previous_run
+from tandem.orchestrator.samples import sample_rows
 from tandem.orchestrator.weightpath import WeightPath
 
 STOP_WAIT_S = 30.0
