@@ -33,3 +33,14 @@ def test_samples_go_round_robin_over_groups_whatever_their_rewards():
     assert row["sampled_by"] == 2 and row["sampled_tokens"] == 2 and row["tool_stats"] == {"turns": 1}
     assert row["messages"][1]["tool_calls"] == [{"name": "submit", "arguments": {}}]
     assert row["diff"].startswith("--- a/x")
+
+
+def test_samples_per_step_out_of_range_is_refused_naming_the_field():
+    import pytest
+
+    from tandem.core.config import ConfigError, load_config
+
+    assert load_config(overrides=["orchestrator.samples_per_step=0"]).orchestrator.samples_per_step == 0
+    for bad in ("-1", "1025", "'2'"):
+        with pytest.raises(ConfigError, match="orchestrator.samples_per_step"):
+            load_config(overrides=[f"orchestrator.samples_per_step={bad}"])

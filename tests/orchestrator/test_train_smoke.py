@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tandem.core.config import RunConfig
+from tandem.env.harness import TRUNCATION_CAUSES
 
 from .conftest import tandem_debris
 
@@ -81,7 +82,7 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
     assert "kept out of the loss (train.mask_truncated)" in report  # overlong filtering is on by default
     assert "truncated by each limit (first fifth -> last fifth): turn limit (tasks.max_turns)" in report
     for row in rows:  # every truncated session names exactly one limit (tandem.env.harness)
-        by_cause = sum(row[f"truncated_{c}_frac"] for c in ("turns", "tokens", "turn_cut", "time"))
+        by_cause = sum(row[f"truncated_{c}_frac"] for c in TRUNCATION_CAUSES)
         assert abs(by_cause - row["truncated_frac"]) < 1e-9, row
     # a few sessions of every step, whole, to read what the policy did
     samples = [json.loads(x) for x in (run_dir / "samples.jsonl").read_text().splitlines()]
@@ -93,9 +94,7 @@ def test_smoke_train_writes_a_complete_run_dir_and_resumes(tmp_path):
             "tool",
         )
         assert 0.0 <= s["reward"] <= 1.0 and s["sampled_tokens"] > 0 and s["sampled_by"] <= s["step"]
-        assert s["flags"]["truncated"] == any(
-            s["flags"][f"truncated_{c}"] for c in ("turns", "tokens", "turn_cut", "time")
-        )
+        assert s["flags"]["truncated"] == any(s["flags"][f"truncated_{c}"] for c in TRUNCATION_CAUSES)
     assert "samples.jsonl" in report
     # step 1 trains only tokens the starting weights sampled: the same version as the trainer's
     assert rows[0]["train/mismatch_same_version_tokens"] == rows[0]["train/mismatch_tokens"]
