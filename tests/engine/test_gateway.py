@@ -314,6 +314,49 @@ def test_stop_string_cuts_the_turn_and_the_session_continues_token_exactly(stack
     assert mask[len(p) : len(p) + len(sampled) + 1] == [1] * len(sampled) + [0]
 
 
+def test_without_tools_a_call_is_content_and_a_cut_call_comes_back_as_written(stack, client, http):
+    """No tools: the model's call markup is plain content. With tools, a call that ``max_tokens`` cut is
+    malformed: no tool call, its raw text as the content (streamed the same), and the history that sends it
+    back extends the record token-exactly."""
+    _, chat = stack
+    eot = chat.stop_token_ids[0]
+    body = {"messages": task_messages(3), "temperature": 0, "return_token_ids": True}
+    plain = http.post("/v1/chat/completions", json={**body, "max_tokens": 80}).json()["choices"][0]
+    ids = plain["token_ids"][:-1] if plain["token_ids"][-1] == eot else plain["token_ids"]
+    assert "<tool_call>" in plain["message"]["content"]  # the shipped model opens every turn with a call
+    assert plain["message"]["content"] == chat.tokenizer.decode(ids)
+    assert not plain["message"].get("tool_calls")
+
+    hdr = {"X-Tandem-Session": "cut-call"}
+    cut = {**body, "tools": TOOLS, "max_tokens": 6}
+    first = http.post("/v1/chat/completions", json=cut, headers=hdr).json()
+    choice = first["choices"][0]
+    assert choice["finish_reason"] == "length" and not choice["message"].get("tool_calls")
+    assert choice["message"]["content"] == chat.tokenizer.decode(choice["token_ids"])
+    assert choice["message"]["content"].startswith("<tool_call>")
+    streamed = client.chat.completions.create(
+        model="x", messages=body["messages"], tools=TOOLS, max_tokens=6, temperature=0, stream=True
+    )
+    chunks = list(streamed)
+    assert (
+        "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        == choice["message"]["content"]
+    )
+    assert not [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+
+    user = {"role": "user", "content": "Your call was cut off; write it again."}
+    second = http.post(
+        "/v1/chat/completions",
+        json={**cut, "messages": [*body["messages"], choice["message"], user]},
+        headers=hdr,
+    ).json()
+    assert second["tandem"]["new_segment"] is False
+    p = first["prompt_token_ids"]
+    assert second["prompt_token_ids"] == p + choice["token_ids"] + [eot] + chat.render_continuation([user])
+    rec = record(http, "cut-call")
+    assert rec["tool_stats"]["malformed_calls"] == 2 and len(rec["segments"]) == 1  # both turns were cut
+
+
 # ---- top_logprobs, tool_choice, live streaming -----------------------------------------------------------
 
 
@@ -535,6 +578,32 @@ def test_content_stream_holds_back_split_characters(stack):
     req = parse_chat_request({"messages": USER, "stop": "✓ 日"}, max_n=1, max_tokens_limit=CTX)
     stream = ContentStream([], req, chat, lambda x: chat.tokenizer.decode(x, skip_special_tokens=False))
     assert "".join(stream.push([t]) for t in ids) == "héllo wörld — ünïcode "
+
+
+def test_content_stream_sends_a_malformed_call_once_it_closes_and_never_a_good_one(stack):
+    from tandem.core.generation import Completion
+    from tandem.engine.gateway.protocol import parse_chat_request
+    from tandem.engine.gateway.responses import to_turn
+    from tandem.engine.gateway.stream import ContentStream
+
+    _, chat = stack
+    decode = lambda x: chat.tokenizer.decode(x, skip_special_tokens=False)  # noqa: E731
+    good = '<tool_call>{"name": "submit", "arguments": {}}</tool_call>'
+    req = parse_chat_request({"messages": USER, "tools": TOOLS}, max_n=1, max_tokens_limit=CTX)
+    for sampled, content in [
+        (f"a<tool_call>{{bad</tool_call>b{good}c", "a<tool_call>{bad</tool_call>bc"),
+        (f'a{good}b<tool_call>{{"name": "ru', 'ab<tool_call>{"name": "ru'),  # cut while open
+    ]:
+        ids = chat.encode_text(sampled)
+        stream = ContentStream([], req, chat, decode)
+        sent = [stream.push([t]) for t in ids]
+        so_far = ["".join(sent[: k + 1]) for k in range(len(sent))]
+        closed = len(chat.encode_text(sampled[: sampled.index("</tool_call>") + len("</tool_call>")]))
+        assert all("<tool_call>" not in x for x in so_far[: closed - 1])  # an open block is held back
+        done = Completion(ids, [0.0] * len(ids), [0] * len(ids), "length")
+        turn, _ = to_turn(done, req, chat, decode)
+        assert turn.message.content == content and turn.message.content.startswith(so_far[-1])
+        assert '"submit"' not in so_far[-1]
 
 
 def test_without_session_nothing_is_recorded(http):

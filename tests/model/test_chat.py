@@ -123,6 +123,28 @@ def test_parse_keeps_good_calls_next_to_bad_ones_and_ignores_after_stop(chat):
     assert len(errors) == 1 and errors[0].startswith("tool call 1: invalid JSON")
 
 
+@pytest.mark.parametrize(
+    ("sampled", "kept"),
+    [
+        # a closed block that does not parse, between text and a good call: kept raw where it stood
+        (
+            'a<tool_call>{bad</tool_call>b<tool_call>{"name": "submit", "arguments": {}}</tool_call>',
+            "a<tool_call>{bad</tool_call>b",
+        ),
+        # a block the turn ended inside (max_tokens): kept raw from its opening marker on
+        ('go<tool_call>{"name": "run", "argu', 'go<tool_call>{"name": "run", "argu'),
+        ("oops</tool_call>then", "oops</tool_call>then"),  # a stray closing marker
+    ],
+)
+def test_keep_malformed_leaves_what_the_model_wrote_in_the_text(chat, sampled, kept):
+    dropped, calls, errors = _parse(chat, sampled)
+    text, calls_kept, errors_kept = chat.parse_assistant(
+        chat.encode_text("") + chat.tokenizer.encode(sampled, add_special_tokens=False), keep_malformed=True
+    )
+    assert text == kept and (calls_kept, errors_kept) == (calls, errors) and len(errors) == 1
+    assert dropped != kept and "<tool_call>{bad" not in dropped and "argu" not in dropped
+
+
 def test_parse_without_stop_token_and_bad_ids(chat):
     assert _parse(chat, "just text") == ("just text", [], [])
     text, calls, errors = chat.parse_assistant([10**9])

@@ -76,7 +76,9 @@ class ChatFormat(Protocol):
     ``render_prompt`` returns the ids of the whole conversation so far ending with the assistant header.
     ``render_continuation`` returns the ids to append after a finished assistant turn for the given new
     (tool or user) messages, ending with the next assistant header. ``parse_assistant`` returns the text and
-    the tool calls of one sampled assistant turn plus a list of parse errors (malformed calls).
+    the tool calls of one sampled assistant turn plus a list of parse errors (malformed calls); with
+    ``keep_malformed`` the raw text of a malformed or unclosed call stays in the text instead of being
+    dropped.
     """
 
     stop_token_ids: list[int]
@@ -85,4 +87,6 @@ class ChatFormat(Protocol):
 
     def render_continuation(self, messages: list[Any]) -> list[int]: ...
 
-    def parse_assistant(self, token_ids: list[int]) -> tuple[str, list[dict[str, Any]], list[str]]: ...
+    def parse_assistant(
+        self, token_ids: list[int], *, keep_malformed: bool = False
+    ) -> tuple[str, list[dict[str, Any]], list[str]]: ...

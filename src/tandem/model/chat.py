@@ -225,8 +225,15 @@ class ChatTemplate:
             raise ValueError("render_transcript needs at least one assistant message")
         return [t for p in pieces[:-1] for t in p]
 
-    def parse_assistant(self, token_ids: list[int]) -> tuple[str, list[dict[str, Any]], list[str]]:
-        """Text, tool calls ``{"name", "arguments"}`` and parse errors of one sampled turn; never raises."""
+    def parse_assistant(
+        self, token_ids: list[int], *, keep_malformed: bool = False
+    ) -> tuple[str, list[dict[str, Any]], list[str]]:
+        """Text, tool calls ``{"name", "arguments"}`` and parse errors of one sampled turn; never raises.
+
+        The text is what lies outside ``<tool_call>`` blocks. A block that does not parse, or one left
+        open at the turn's end, is an error; with ``keep_malformed`` its raw text (markers included)
+        stays in the text where it stood, so a client sees what the model wrote, as vLLM's tool parsers
+        give it; without, it is dropped (the built-in harness answers the error as a tool message)."""
         errors: list[str] = []
         bad = [t for t in token_ids if not 0 <= int(t) < self.vocab_size]
         if bad:
@@ -247,7 +254,7 @@ class ChatTemplate:
             stray = text.find(TOOL_CLOSE, pos)
             if stray >= 0 and (open_at < 0 or stray < open_at):
                 errors.append(f"unexpected {TOOL_CLOSE} without a matching {TOOL_OPEN} at char {stray}")
-                kept.append(text[pos:stray])
+                kept.append(text[pos : stray + len(TOOL_CLOSE)] if keep_malformed else text[pos:stray])
                 pos = stray + len(TOOL_CLOSE)
                 continue
             if open_at < 0:
@@ -258,6 +265,8 @@ class ChatTemplate:
             close_at = text.find(TOOL_CLOSE, start)
             if close_at < 0:
                 errors.append(f"unclosed {TOOL_OPEN} at char {open_at}: {_snip(text[start:])}")
+                if keep_malformed:
+                    kept.append(text[open_at:])
                 break
             body = text[start:close_at]
             pos = close_at + len(TOOL_CLOSE)
@@ -265,6 +274,8 @@ class ChatTemplate:
             call, err = _parse_call(body)
             if err:
                 errors.append(f"tool call {blocks}: {err}")
+                if keep_malformed:
+                    kept.append(text[open_at:pos])
             else:
                 calls.append(call)
         return "".join(kept), calls, errors

@@ -12,7 +12,8 @@ Invariants:
   count as completion tokens, but they are part of the turn's text, so the message (content, tool calls)
   is parsed from ``forced + sampled``.
 - Enforcement is of the start only: the model writes the arguments and closes the call itself; a call it
-  leaves malformed is dropped like any malformed call (counted in the session's ``malformed_calls``).
+  leaves malformed is treated like any malformed call: no tool call, its raw text (forced start included)
+  in the content, counted in the session's ``malformed_calls``.
 """
 
 from __future__ import annotations

@@ -8,9 +8,11 @@ Invariants:
   ``user``, ``assistant``, ``tool``; content is text (text parts are joined; other part types are
   rejected); assistant tool calls become ``{"name", "arguments"}`` with ``arguments`` a parsed JSON object
   (the form ``ChatFormat.parse_assistant`` returns, so a history can be compared with what the model made).
-- ``tool_choice`` "required" needs tools and a named function must be one of them (enforced by forcing the
-  turn's start, ``tandem.engine.gateway.forcing``); ``top_logprobs`` (0-20, at most the engine's
-  ``max_top_logprobs``) needs ``logprobs=true`` when above 0, as OpenAI's API does.
+- Tool calls are parsed out of the output only when the request has tools and ``tool_choice`` is not
+  "none" (``ChatRequest.parse_tools``). ``tool_choice`` "required" needs tools and a named function must
+  be one of them (enforced by forcing the turn's start, ``tandem.engine.gateway.forcing``);
+  ``top_logprobs`` (0-20, at most the engine's ``max_top_logprobs``) needs ``logprobs=true`` when above 0,
+  as OpenAI's API does.
 - Sampling fields are range-checked here; limits that depend on the prompt length (the context) are checked
   by the caller once the prompt is rendered. Sampling controls the gateway does not apply (``NEUTRAL``:
   penalties, ``logit_bias``, ``top_k``, ``min_p``, ``best_of``, a ``response_format`` other than text) are
@@ -224,8 +226,10 @@ class ChatRequest:
 
     @property
     def parse_tools(self) -> bool:
-        """Whether tool calls in the output come back as ``tool_calls`` (not with ``tool_choice="none"``)."""
-        return self.tool_choice != "none"
+        """Whether tool calls in the output come back as ``tool_calls``: only when the request offers tools
+        and ``tool_choice`` is not "none" (as OpenAI's API: no tools, no tool calls); otherwise the content
+        is the raw decoded turn, tool-call markup included."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 def _is_int(v: Any) -> bool:

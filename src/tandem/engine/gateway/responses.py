@@ -4,9 +4,12 @@ Invariants:
 - ``to_turn`` turns one ``Completion`` into the ``Turn`` a session records and the message the client gets:
   the ``message`` stored in the turn is exactly what the response carries (content text and tool calls with
   parsed arguments), so a client that sends the history back unchanged matches the record.
-- Tool calls come from ``ChatFormat.parse_assistant``; malformed calls are dropped from the message and
-  counted (their tokens stay in the record). With ``tool_choice="none"`` nothing is parsed: the content is
-  the raw decoded turn.
+- Tool calls come from ``ChatFormat.parse_assistant``. A malformed call (invalid JSON, no name, a block
+  left open when ``max_tokens`` cut the turn) is counted and stays in the content as the raw text the model
+  wrote, markers included (``keep_malformed``; what vLLM's tool parsers return), so a harness sees the
+  failed attempt and can answer it, as the built-in harness does with an error message; its tokens stay in
+  the record either way. With no tools in the request or ``tool_choice="none"`` nothing is parsed: the
+  content is the raw decoded turn.
 - A stop string cuts the turn's tokens after the first token whose text completes it (token ids, logprobs,
   versions and top-p log masses alike, so the record holds exactly the tokens up to that one) and the content
   before the stop string; the finish reason is then "stop".
@@ -79,7 +82,7 @@ def to_turn(
     calls: list[dict[str, Any]] = []
     errors: list[str] = []
     if req.parse_tools:
-        text, calls, errors = chat.parse_assistant(forced + ids)
+        text, calls, errors = chat.parse_assistant(forced + ids, keep_malformed=True)
     else:
         text = decode(body)
     if cut is not None:

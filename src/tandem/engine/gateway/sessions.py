@@ -12,7 +12,7 @@ Invariants:
 - "Extends" means: same tools; every earlier message equal in what the chat format renders (role, content,
   tool calls); the recorded last assistant message equal to what the model produced (with ``n > 1``, any one
   of that turn's choices; the chosen one then replaces choice 0 in the record; when several choices have the
-  same message, e.g. both dropped a malformed tool call, the lowest index wins); no assistant message among
+  same message, e.g. the same malformed call, the lowest index wins); no assistant message among
   the new ones (the model did not produce it). Otherwise the current segment is closed, a new one starts
   from ``render_prompt`` of the full request, and ``segment_reasons`` records why (edited, reordered,
   truncated history, changed tools, foreign assistant turn).

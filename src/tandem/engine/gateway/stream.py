@@ -7,8 +7,10 @@ Invariants:
   a trailing piece that could be the start of a chat-format marker (``<tool_call>``, ``</tool_call>``,
   ``<|im_end|>``, ``<|endoftext|>``; relevant when a tokenizer spells them as text) or of a stop string.
 - Content is what ``tandem.engine.gateway.responses.to_turn`` makes of forced + sampled ids: with tools
-  parsed, the text outside ``<tool_call>`` blocks (a block still open is never streamed; its call is sent
-  whole at the end), else the raw decoded text. Once the sampled text contains a stop string nothing more is
+  parsed, the text outside well-formed ``<tool_call>`` blocks, a malformed block's raw text streamed once
+  its closing marker settles it (a block still open is never streamed: its call is sent whole at the end,
+  or, when the turn ends with it still open or it does not parse, its raw text in the last content chunk),
+  else the raw decoded text. Once the sampled text contains a stop string nothing more is
   streamed: the gateway cuts the turn there after generation (the engine does not know stop strings).
 - The prefix property needs a decode under which the text of a prefix of the ids is a prefix of the text
   of all of them, up to a split trailing character (byte-level BPE without ``clean_up_tokenization_spaces``,
@@ -62,7 +64,10 @@ class ContentStream:
             self.frozen = True
             return ""
         if self.req.parse_tools:
-            text, _, _ = self.chat.parse_assistant(self.forced + self.sampled)
+            text, _, _ = self.chat.parse_assistant(self.forced + self.sampled, keep_malformed=True)
+            opened = text.rfind(TOOL_OPEN)
+            if opened >= 0 and text.find(TOOL_CLOSE, opened) < 0:  # a block still open: not settled yet
+                text = text[:opened]
             text = text.rstrip("\ufffd")
             text = text[: len(text) - _held(text, _MARKERS)]
         else:
