@@ -88,6 +88,8 @@ def test_reference_solution_gets_full_reward_and_garbage_gets_zero(chat):
     assert traj.reward.value == 0.0
     assert traj.tool_stats["malformed_calls"] >= 1 and traj.tool_stats["no_tool_call"] >= 1
     assert traj.tool_stats["tool_errors"] >= 1
+    said = [m.content for m in traj.messages if m.role == "assistant"]
+    assert said[0] == "<tool_call>{not json"  # the transcript keeps what the model wrote
     assert traj.flags["truncated"] and not traj.flags["submitted"]
 
 

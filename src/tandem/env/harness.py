@@ -6,7 +6,9 @@ Invariants:
   Nothing is ever re-tokenized.
 - ``loss_mask`` is 1 only on sampled tokens; observations and prompts carry NaN logprobs and version -1.
 - A malformed tool call, a missing tool call, a failing tool or an engine error never raises: it becomes an
-  error observation (or ends the session) and a counted statistic. A session an engine or sandbox error
+  error observation (or ends the session) and a counted statistic. The transcript's assistant message keeps
+  a malformed call's raw text (``keep_malformed``), as the gateway returns it, so ``samples.jsonl`` shows
+  what the model wrote. A session an engine or sandbox error
   ended has the ``engine_error``/``sandbox_error`` flag and, as its last message, the reason
   (``session_error``). The sandbox is always closed (its
   teardown runs on the sandbox reaper). It is created while the engine writes the first turn, so its
@@ -181,7 +183,7 @@ async def run_session(
             )
             routes, covered = completion.routed_experts, len(builder)
             stats["turns"] += 1
-            text, calls, errors = chat.parse_assistant(completion.token_ids)
+            text, calls, errors = chat.parse_assistant(completion.token_ids, keep_malformed=True)
             messages.append(Message("assistant", text, calls))
             if completion.finish_reason != "stop":
                 # The turn was cut before its end token: the context cannot continue token-exactly.
