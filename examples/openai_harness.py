@@ -118,8 +118,10 @@ def main() -> int:
         messages.append(entry)
         if reply.choices[0].finish_reason == "length":
             return 0
-        if not calls:
-            messages.append({"role": "user", "content": "Call a tool."})
+        if not calls:  # a call the model got wrong comes back as its text in content
+            wrong = "<tool_call>" in (msg.content or "")
+            nudge = "That tool call is not valid JSON; write it again." if wrong else "Call a tool."
+            messages.append({"role": "user", "content": nudge})
             continue
         for c in calls:
             if c.function.name == "submit":
