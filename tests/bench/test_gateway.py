@@ -25,6 +25,12 @@ def test_bench_gateway_runs_both_sides_on_the_named_engine_with_token_exact_reco
     assert out["client"].startswith("openai ") and out["client_procs"] == 1
     assert 0 < out["client_cpu_ms_per_request"] < 1000
     assert 0 < out["server_cpu_ms_per_request"] < 1000
+    alone = out["client_alone_wall_s"]  # the same client against the instant server
+    assert len(alone) == 2 and all(x > 0 for x in alone)
+    assert 0 < out["client_alone_cpu_ms_per_request"] < 1000
+    best_ip, best_alone = min(ip), min(alone)
+    floor = best_alone / (best_ip + best_alone)
+    assert abs(out["client_alone_overhead"] - floor) <= 0.001 / best_ip + 1e-4  # walls rounded to 1 ms
 
 
 def test_bench_gateway_refuses_an_unknown_engine_and_bad_sizes_naming_them(bench_cli):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tandem.core.procs import CpuTicks, busy_cores, cpu_ticks, steal_fraction
+from tandem.core.procs import CpuTicks, busy_cores, cpu_ticks, steal_fraction, thread_cpu_s
 
 
 def test_busy_cores_sees_this_process_spinning():
@@ -25,6 +25,34 @@ def test_busy_cores_sees_this_process_spinning():
     assert cores is not None
     # at least most of the core this loop used (tick granularity), at most every core of the machine
     assert 0.5 <= cores <= (os.cpu_count() or 1) + 1e-9
+
+
+def test_thread_cpu_s_counts_the_threads_own_work_and_nothing_once_it_ended():
+    import threading
+
+    release = threading.Event()
+
+    spun_enough = threading.Event()
+
+    def spin() -> None:
+        while time.thread_time() < 0.1:  # 0.1 s of its own CPU, however busy the machine is
+            pass
+        spun_enough.set()
+        release.wait(10)  # idle, alive: its clock stops growing
+
+    t = threading.Thread(target=spin)
+    assert thread_cpu_s(None) == 0.0 and thread_cpu_s(t) == 0.0  # not started
+    t.start()
+    assert spun_enough.wait(30)
+    time.sleep(0.05)  # let it reach the wait
+    spun = thread_cpu_s(t)
+    busy = time.thread_time()  # this thread spins meanwhile; the other thread's clock must not count it
+    while time.thread_time() < busy + 0.1:
+        pass
+    assert 0.1 <= spun <= thread_cpu_s(t) < spun + 0.05
+    release.set()
+    t.join()
+    assert thread_cpu_s(t) == 0.0
 
 
 def test_busy_cores_arithmetic_and_unknowns():

@@ -41,6 +41,17 @@ engine gathered, it started the first arrivals at once, and their decode steps s
 answering the rest (about 100-200 ms of spread per boundary instead of 50-60). More tokens per turn
 (``max_tokens``) or more client processes (``client_procs``) amortise or split that cost.
 
+The client's own share is measured beside it: after the timed rounds, the same client (fresh processes,
+``client_procs`` of them) runs one warm-up and ``repeats`` timed rounds against ``InstantChatServer``
+(``tandem.bench.instant``: every request answered at once with a canned completion of ``max_tokens``
+words), the same sessions, turns and tools. The best of those rounds (``client_alone_wall_s``) is the time the
+client's work alone takes per round, and ``client_alone_overhead = alone / (in_process + alone)`` (best
+rounds) the overhead it would make if nothing else cost anything: a gateway and HTTP stack that took no time,
+with the client's work falling between the in-process side's turns, as the lockstep boundaries put it. It is
+an estimate, not a bound: beside the engine the client's CPU per request is higher than alone (compare
+``client_alone_cpu_ms_per_request`` with ``client_cpu_ms_per_request``), and a round's best can fall below it
+by noise. What ``overhead`` has beyond it is the gateway's own cost plus that noise.
+
 Before the engine starts (and, from the CLI, before this module is imported), ``preflight.check_gateway``
 refuses (``BenchInputError``, naming the option) an unknown engine, counts < 1, more than
 ``limits.MAX_REPEATS`` rounds, thread counts outside 1..4 per CPU, more client processes than 4 per CPU or
@@ -63,6 +74,7 @@ from typing import Any
 import torch
 
 from tandem.bench import preflight
+from tandem.bench.instant import InstantChatServer
 from tandem.core.config import EngineConfig
 from tandem.core.generation import GenerationRequest, SamplingParams
 from tandem.core.procs import cpu_ticks, freeze_heap, gc_freeze_enabled, steal_fraction, thaw_heap
@@ -231,6 +243,32 @@ def _gateway_round(clients: list[_Client], spec: dict[str, Any], server: Any) ->
     }
 
 
+def _client_alone(
+    client_procs: int, repeats: int, first_round: int, sessions: int, turns: int, max_tokens: int
+) -> list[dict[str, Any]]:
+    """The timed rounds of the same client against ``InstantChatServer`` (after one warm-up round): fresh
+    client processes, the same sessions, turns, tools and kinds of messages, every answer there at once."""
+    instant = InstantChatServer(max_tokens).start()
+    clients: list[_Client] = []
+    try:
+        clients = [_Client(instant.url + "/v1") for _ in range(client_procs)]
+        rounds = []
+        for k in range(repeats + 1):
+            r = first_round + k
+            opening, tools = preflight.gateway_workload(sessions, r)
+            spec = {"round": r, "turns": turns, "max_tokens": max_tokens, "tools": tools, "opening": opening}
+            rounds.append(_gateway_round(clients, spec, instant))
+    finally:
+        for c in clients:
+            c.close()
+        instant.stop()
+    expected = sessions * turns * max_tokens
+    bad = [x["tokens"] for x in rounds if x["tokens"] != expected]
+    if bad:
+        raise RuntimeError(f"the client against the instant server counted {bad[0]} tokens, not {expected}")
+    return rounds[1:]
+
+
 def run_gateway_bench(
     model_path: str = "models/tandem-base",
     sessions: int = 32,
@@ -290,6 +328,7 @@ def run_gateway_bench(
             if bad:
                 raise RuntimeError(f"{side} generated {bad[0]} tokens in a round, expected {expected}")
         records = _check_records(server.url, last_gateway_round, sessions, turns, max_tokens)
+        alone = _client_alone(client_procs, repeats, r, sessions, turns, max_tokens)
     finally:
         for c in clients:
             c.close()
@@ -303,6 +342,7 @@ def run_gateway_bench(
     ip_tps, gw_tps = expected / ip_wall, expected / gw_wall
     paired = sorted(1 - a["wall_s"] / b["wall_s"] for a, b in zip(in_proc[1:], gateway[1:], strict=True))
     paired_median = (paired[(len(paired) - 1) // 2] + paired[len(paired) // 2]) / 2
+    alone_wall = min(x["wall_s"] for x in alone)
     return {
         "in_process_tokens_per_s": round(ip_tps, 1),
         "gateway_tokens_per_s": round(gw_tps, 1),
@@ -327,6 +367,13 @@ def run_gateway_bench(
         "server_cpu_ms_per_request": round(
             1000 * sum(x["server_cpu_s"] for x in gateway[1:]) / (repeats * sessions * turns), 3
         ),
+        # the same client against an instant server: its own work per round, and the overhead that work
+        # alone makes when it sits between the in-process side's turns (see the module docstring)
+        "client_alone_wall_s": [round(x["wall_s"], 3) for x in alone],
+        "client_alone_cpu_ms_per_request": round(
+            1000 * sum(x["client_cpu_s"] for x in alone) / (repeats * sessions * turns), 3
+        ),
+        "client_alone_overhead": round(alone_wall / (ip_wall + alone_wall), 4),
         "engine": kind,
         "engine_reason": engine_reason,
         "gateway_records": records,

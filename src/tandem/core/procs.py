@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import threading
+import time
 from typing import NamedTuple
 
 
@@ -70,6 +71,17 @@ def steal_fraction(before: CpuTicks | None, after: CpuTicks | None) -> float | N
 
 IDLE_WEIGHT = 3
 """CFS weight of a ``SCHED_IDLE`` thread (a nice-0 thread weighs 1024, and each nice level is 1.25x less)."""
+
+
+def thread_cpu_s(thread: threading.Thread | None) -> float:
+    """CPU seconds ``thread`` has used so far, from its own CPU clock; 0.0 when it is None, not started or no
+    longer alive (also when it ends between the check and the read)."""
+    if thread is None or thread.ident is None or not thread.is_alive():
+        return 0.0
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except OSError:
+        return 0.0
 
 
 def _cfs_weight(nice: int) -> float:

@@ -22,6 +22,8 @@ from typing import Any
 
 import uvicorn
 
+from tandem.core.procs import thread_cpu_s
+
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port`` (IPv6 when ``host`` contains ':')."""
@@ -84,13 +86,7 @@ class GatewayServer:
         had used when ``stop`` began."""
         if self._cpu_at_stop is not None:
             return self._cpu_at_stop
-        thread = self._thread
-        if thread is None or thread.ident is None or not thread.is_alive():
-            return 0.0
-        try:
-            return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-        except OSError:  # it ended between the check and the read
-            return 0.0
+        return thread_cpu_s(self._thread)
 
     def stop(self) -> None:
         self._cpu_at_stop = self.cpu_s()
