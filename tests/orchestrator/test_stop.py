@@ -71,6 +71,11 @@ SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, time
     from tandem.core.stopping import StopRequested, stop_on_signals
+    # the dispositions an interactive start gives (a test run under `nohup` would have SIGHUP ignored, and
+    # stop_on_signals rightly leaves an ignored signal ignored)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     before = signal.getsignal(signal.SIGTERM)
     try:
         with stop_on_signals():

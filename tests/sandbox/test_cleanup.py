@@ -77,9 +77,21 @@ def sandboxed(marker: str) -> list[str]:
     return ["sh", "-c", 'exec sh -c "sleep 600" "$0$1"', *halves(marker)]
 
 
+DEFAULT_SIGNALS = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys\n"
+    "for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT): signal.signal(s, signal.SIG_DFL)\n"
+    "os.execv(sys.argv[1], sys.argv[1:])",
+]
+"""Runs its arguments (same pid, through exec) with the signal dispositions an interactive start gives: a test
+run under ``nohup`` would pass SIGHUP on ignored, and the CLI rightly leaves an ignored signal ignored."""
+
+
 def start_and_signal(argv: list[str], marker: str, sig: signal.Signals) -> subprocess.Popen[bytes]:
-    """Start ``argv``, wait until its sandboxed command (with ``marker``) runs, send ``sig``, wait for it."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    """Start ``argv`` (with default signal dispositions), wait until its sandboxed command (with ``marker``)
+    runs, send ``sig``, wait for it."""
+    proc = subprocess.Popen([*DEFAULT_SIGNALS, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         while not procs_with(marker):
             assert proc.poll() is None, proc.communicate()
