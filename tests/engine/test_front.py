@@ -50,6 +50,28 @@ def test_an_idle_engine_starts_a_spread_out_burst_as_one_batch():
         eng.stop()
 
 
+class _SlowList(list):
+    """A caller whose thread is descheduled between items: iterating the list sleeps before each one."""
+
+    def __iter__(self):
+        for item in super().__iter__():
+            time.sleep(0.05)
+            yield item
+
+
+def test_generate_queues_its_whole_list_at_once_however_slow_the_caller():
+    # Gathering off: an idle loop starts whatever is queued when it wakes. Queued one by one as the list is
+    # read, the first request started alone (more steps); queued together, the four are one prefill batch.
+    prompts = [[1 + i, 2, 3, 4 + i] for i in range(4)]
+    eng = engine(gather_idle_max_ms=0.0)
+    try:
+        done = eng.generate(_SlowList(req(p) for p in prompts))
+        assert [len(c.token_ids) for c in done] == [TOKENS] * 4
+        assert eng.stats()["steps"] == TOKENS - 1
+    finally:
+        eng.stop()
+
+
 def test_an_idle_engine_waits_for_the_sessions_that_just_finished_a_turn():
     # The gap rule alone (1 ms) would start the first continuation at once; the wait for the three sessions
     # that just finished a turn with their KV parked holds it until all three are back.

@@ -4,6 +4,9 @@ Invariants:
 - ``submit`` never blocks on the model: it queues a ``Pending`` (the request, its future and its submission
   number, from which a request without a seed derives its own) and wakes the engine's loop; a stopped engine
   resolves the future at once with an error completion; an engine never started starts on first submit.
+  ``generate(requests)`` queues its whole list under one hold of the lock, so the loop never sees part of it
+  (before, each request was queued apart, and a caller's thread descheduled for longer than
+  ``gather_idle_ms`` between two of them had the first ones started alone).
 - A future is resolved exactly once with a ``Completion`` (``resolve`` ignores futures the caller cancelled
   or that are already resolved); errors are ``Completion(finish_reason="error")`` (``error_completion``),
   never exceptions. An iteration that raises fails the active sessions and every request it took from the
@@ -251,23 +254,32 @@ class RequestFront:
     ) -> Future:
         """Queue one request; the future resolves to its Completion. Starts the loop if never started.
         ``on_tokens`` observes the sampled ids step by step (see module invariants)."""
-        fut: Future = Future()
+        return self._submit_all([(request, on_tokens)])[0]
+
+    def _submit_all(
+        self, items: list[tuple[GenerationRequest, Callable[[list[int]], None] | None]]
+    ) -> list[Future]:
+        """Queue every request under one hold of the lock, so the loop sees them all at once."""
+        futures: list[Future] = [Future() for _ in items]
         with self._cv:
             if self._stopped:
-                resolve(fut, error_completion(self._refusal()))
-                return fut
-            self._queue.append(Pending(request, fut, self._submitted, on_tokens))
-            self._submitted += 1
+                for fut in futures:
+                    resolve(fut, error_completion(self._refusal()))
+                return futures
+            for (request, on_tokens), fut in zip(items, futures, strict=True):
+                self._queue.append(Pending(request, fut, self._submitted, on_tokens))
+                self._submitted += 1
             self._last_submit = time.monotonic()
             self._cv.notify_all()
             start = not self._running
         if start:
             self.start()
-        return fut
+        return futures
 
     def generate(self, requests: list[GenerationRequest]) -> list[Completion]:
-        """Submit all, wait for all (in order)."""
-        futures = [self.submit(r) for r in requests]
+        """Submit all as one burst (queued under one hold of the lock: an idle loop admits them together, up
+        to ``max_batch``, however the caller's thread is scheduled), wait for all (in order)."""
+        futures = self._submit_all([(r, None) for r in requests])
         return [f.result() for f in futures]
 
     def health(self) -> dict[str, Any]:
