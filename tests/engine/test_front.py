@@ -70,6 +70,10 @@ def test_generate_queues_its_whole_list_at_once_however_slow_the_caller():
         assert eng.stats()["steps"] == TOKENS - 1
     finally:
         eng.stop()
+    model = build_model(qwen3_config("smoke", vocab_size=V), seed=0).eval()
+    idle = BuiltinEngine(model, EngineConfig(max_batch=8, max_seq_len=256))
+    assert idle.generate([]) == [] and idle.health()["loop_nice"] is None  # nothing queued, loop not started
+    idle.stop()
 
 
 def test_an_idle_engine_waits_for_the_sessions_that_just_finished_a_turn():

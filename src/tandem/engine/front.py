@@ -259,8 +259,11 @@ class RequestFront:
     def _submit_all(
         self, items: list[tuple[GenerationRequest, Callable[[list[int]], None] | None]]
     ) -> list[Future]:
-        """Queue every request under one hold of the lock, so the loop sees them all at once."""
+        """Queue every request under one hold of the lock, so the loop sees them all at once. An empty list
+        queues nothing, starts nothing and leaves the gathering clock (``_last_submit``) as it was."""
         futures: list[Future] = [Future() for _ in items]
+        if not futures:
+            return futures
         with self._cv:
             if self._stopped:
                 for fut in futures:
